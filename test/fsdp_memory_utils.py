@@ -1,0 +1,489 @@
+"""Step-graph memory measurement for XlaFullyShardedDataParallel.
+
+The figures come from XLA itself: with ``--xla_dump_to`` every compiled graph
+leaves a buffer assignment (the compiler's own liveness analysis of the
+scheduled graph) next to its HLO. That makes peak bytes deterministic and
+independent of the machine, which is what the memory tests assert on and what
+``benchmarks/fsdp_flatten_memory.py`` reports. On TPU the runtime peak from
+``xm.get_memory_info()`` is added.
+
+XLA reads ``XLA_FLAGS`` once per process, at its first compilation. Importing
+this module therefore adds the flags it needs when they are missing; import it
+before running any XLA computation. Every measurement reads only the dump
+files that appeared while it ran.
+
+On CPU (``PJRT_DEVICE=CPU``) it also disables XLA's ``cse_barrier_expander``
+pass. The CPU compiler otherwise removes optimization barriers before
+scheduling, so none of FSDP's barriers (which order all-gathers after a
+module's inputs and keep the backward re-gather distinct from the forward
+gather) would hold, and the figures would describe a schedule that the TPU
+compiler never produces.
+
+Run as a script, it measures one configuration and prints JSON; this is how
+the tests and the report compare stock and patched FSDP, which needs one
+process each since the overlay is chosen at import.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import glob
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+_DUMP_FLAG = '--xla_dump_to='
+_KEEP_BARRIERS_FLAG = '--xla_disable_hlo_passes=cse_barrier_expander'
+
+
+def _ensure_xla_flags() -> str:
+  flags = os.environ.get('XLA_FLAGS', '')
+  m = re.search(re.escape(_DUMP_FLAG) + r'(\S+)', flags)
+  if m:
+    path = m.group(1)
+  else:
+    path = tempfile.mkdtemp(prefix='fsdp_xla_dump_')
+    flags += ' ' + _DUMP_FLAG + path
+  if (os.environ.get('PJRT_DEVICE', '').upper() == 'CPU' and
+      '--xla_disable_hlo_passes' not in flags):
+    flags += ' ' + _KEEP_BARRIERS_FLAG
+  os.environ['XLA_FLAGS'] = flags.strip()
+  return path
+
+
+DUMP_DIR = _ensure_xla_flags()
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
+import torch_xla.distributed.fsdp.utils as fsdp_utils
+import torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel as fsdp_module
+from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+# ---------------------------------------------------------------------------
+# The model from pytorch/xla issue 5464, with a configurable number of layers.
+# ---------------------------------------------------------------------------
+
+HIDDEN = 1280
+BATCH = 64
+
+
+class Submodule(nn.Module):
+
+  def __init__(self, hidden=HIDDEN):
+    super().__init__()
+    self.fc1 = nn.Linear(hidden, hidden, bias=False)
+    self.fc2 = nn.Linear(hidden, hidden, bias=False)
+    self.fc3 = nn.Linear(hidden, hidden, bias=False)
+    self.fc4 = nn.Linear(hidden, hidden, bias=False)
+
+  def forward(self, x):
+    x = self.fc4(self.fc3(self.fc2(self.fc1(x))))
+    return F.softmax(x, dim=1)
+
+
+class Layer(nn.Module):
+
+  def __init__(self, hidden=HIDDEN):
+    super().__init__()
+    self.sb1 = Submodule(hidden)
+    self.sb2 = Submodule(hidden)
+
+  def forward(self, x):
+    return F.softmax(self.sb2(self.sb1(x)), dim=1)
+
+
+class Net(nn.Module):
+  """``Net`` from the report; ``num_layers=2`` is the report's model."""
+
+  def __init__(self, num_layers=2, hidden=HIDDEN):
+    super().__init__()
+    if num_layers < 1:
+      raise ValueError(f'num_layers must be >= 1, got {num_layers}')
+    self.layers = nn.ModuleList([Layer(hidden) for _ in range(num_layers)])
+
+  def forward(self, x):
+    for layer in self.layers:
+      x = layer(x)
+    return F.softmax(x, dim=1)
+
+
+def layer_numel(hidden=HIDDEN) -> int:
+  """Parameters of one ``Layer`` (one FSDP unit under the report's policy)."""
+  return 8 * hidden * hidden
+
+
+def wrap_report_model(num_layers=2,
+                      hidden=HIDDEN,
+                      seed=0,
+                      **fsdp_kwargs) -> FSDP:
+  """The report's model, one FSDP unit per ``Layer`` plus an empty root."""
+  torch.manual_seed(seed)
+  model = Net(num_layers, hidden)
+  policy = functools.partial(
+      transformer_auto_wrap_policy, transformer_layer_cls={Layer})
+  return FSDP(model, auto_wrap_policy=policy, **fsdp_kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Simulated world sizes.
+# ---------------------------------------------------------------------------
+
+
+def faithful_dummy_all_gather(value, dim=0, groups=None):
+  """``utils.dummy_all_gather`` made to schedule like a real all-gather.
+
+  The stock dummy is a ``repeat``: XLA may fuse it into its users and, since
+  the CPU compiler expands optimization barriers away, common-subexpression
+  elimination merges the backward re-gather with the forward gather, which
+  keeps every gathered parameter alive from forward to backward. A real
+  all-gather is a collective, ordered by the all-reduce token and never
+  merged. Routing the dummy's result through a real collective over this
+  single device (a reduce-scatter with one shard, an identity on the values)
+  gives it those properties at the cost of one copy.
+  """
+  out = fsdp_utils.dummy_all_gather(value, dim=dim, groups=groups)
+  return xm.reduce_scatter(
+      xm.REDUCE_SUM,
+      out,
+      scale=1.0,
+      scatter_dim=dim,
+      shard_count=1,
+      pin_layout=False)
+
+
+class FaithfulDummyReduceScatter(fsdp_utils.DummyReduceScatter):
+  """``utils.DummyReduceScatter`` returning a fresh shard, as a real one does.
+
+  Handing the callback a view of the full gradient (as torch_xla 2.9's dummy
+  does) keeps every full gradient alive until the end of the step and makes
+  it a graph output.
+  """
+
+  def __call__(self, input, callback):
+    super().__call__(input, lambda shard: callback(shard.clone()))
+
+
+@contextlib.contextmanager
+def simulated_world_size(world_size: int, rank: int = 0, faithful: bool = True):
+  """Make FSDP see ``world_size`` ranks on a single XLA device.
+
+  Several CPU devices deadlock in collectives with torch_xla 2.9, so world
+  sizes > 1 are simulated: ``xr.world_size()`` and ``xr.global_ordinal()``
+  are patched while the context is active (construction *and* training), and
+  the FSDP kwargs it yields replace the collectives by the ``_debug_dummy_*``
+  ops, which have the shapes of real collectives. Each rank's parameter shard
+  is then what that rank would hold, so sharded state, padding and the sizes
+  of gathered buffers are those of a real run; only the values exchanged
+  differ (every "rank" holds this rank's shard), so use it for memory and
+  graph figures, not for numerics.
+
+  Yields:
+    dict of FSDP constructor kwargs to pass (empty for ``world_size == 1``).
+  """
+  if world_size < 1:
+    raise ValueError(f'world_size must be >= 1, got {world_size}')
+  if not 0 <= rank < world_size:
+    raise ValueError(f'rank must be in [0, {world_size}), got {rank}')
+  if world_size == 1:
+    yield {}
+    return
+  orig = (xr.world_size, xr.global_ordinal, fsdp_module.dummy_all_gather,
+          fsdp_module.DummyReduceScatter)
+  xr.world_size = lambda: world_size
+  xr.global_ordinal = lambda: rank
+  if faithful:
+    fsdp_module.dummy_all_gather = faithful_dummy_all_gather
+    fsdp_module.DummyReduceScatter = FaithfulDummyReduceScatter
+  try:
+    yield dict(
+        _debug_dummy_all_gather_op=True,
+        _debug_dummy_all_reduce_op=True,
+        _debug_dummy_reduce_scatter_op=True)
+  finally:
+    (xr.world_size, xr.global_ordinal, fsdp_module.dummy_all_gather,
+     fsdp_module.DummyReduceScatter) = orig
+
+
+# ---------------------------------------------------------------------------
+# Reading XLA's dumps.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepGraphStats:
+  """What XLA compiled for one training step."""
+  module: str
+  peak_bytes: int
+  live_at_peak: List[Tuple[str, int]]
+  output_shapes: List[str]
+  num_instructions: int
+  num_all_gathers: int = 0
+  num_reduce_scatters: int = 0
+  compile_seconds: float = 0.0
+  step_seconds: float = 0.0
+  tpu_peak_bytes: Optional[int] = None
+
+  @property
+  def num_outputs(self) -> int:
+    return len(self.output_shapes)
+
+  def live_bytes_by_size(self) -> Dict[int, int]:
+    """How many buffers of each size are live at the peak."""
+    counts: Dict[int, int] = {}
+    for _, size in self.live_at_peak:
+      counts[size] = counts.get(size, 0) + 1
+    return counts
+
+
+_PEAK_RE = re.compile(r'Stack trace breakdown for peak usage: ([\d ]+) bytes')
+_LIVE_RE = re.compile(r'^\s+(\S+?)(?:\{[^}]*\})?: (\d+) bytes')
+
+
+def _split_top_level(s: str) -> List[str]:
+  parts, depth, cur = [], 0, []
+  for ch in s:
+    if ch in '([{':
+      depth += 1
+    elif ch in ')]}':
+      depth -= 1
+    if ch == ',' and depth == 0:
+      parts.append(''.join(cur).strip())
+      cur = []
+    else:
+      cur.append(ch)
+  if ''.join(cur).strip():
+    parts.append(''.join(cur).strip())
+  return parts
+
+
+def parse_entry_output_shapes(hlo_text: str) -> List[str]:
+  """Shapes returned by the ENTRY computation, layouts dropped."""
+  m = re.search(r'^ENTRY .*?\) -> (.*) \{\s*$', hlo_text, re.M)
+  if m is None:
+    raise ValueError('no ENTRY computation in HLO text')
+  sig = re.sub(r'/\*.*?\*/', '', m.group(1))
+  sig = re.sub(r'\{[\d,]*\}', '', sig).strip()
+  if sig.startswith('(') and sig.endswith(')'):
+    return _split_top_level(sig[1:-1])
+  return [sig]
+
+
+def parse_buffer_assignment(text: str) -> Tuple[int, List[Tuple[str, int]]]:
+  """Peak bytes and the buffers live at the peak (name, bytes)."""
+  m = _PEAK_RE.search(text)
+  if m is None:
+    raise ValueError('no peak usage line in buffer assignment')
+  peak = int(m.group(1).replace(' ', ''))
+  live = []
+  lines = text.splitlines()
+  start = next(
+      i for i, l in enumerate(lines) if 'Live ranges at' in l and '(peak)' in l)
+  for line in lines[start + 1:]:
+    lm = _LIVE_RE.match(line)
+    if lm is None:
+      break
+    live.append((lm.group(1), int(lm.group(2))))
+  return peak, live
+
+
+def read_module(prefix: str) -> StepGraphStats:
+  """Stats of one dumped module, ``prefix`` being ``.../module_NNNN.Name``."""
+  with open(prefix + '.before_optimizations.txt') as f:
+    before = f.read()
+  with open(prefix + '.cpu_after_optimizations.txt' if os.path.
+            exists(prefix + '.cpu_after_optimizations.txt'
+                  ) else _after_optimizations_path(prefix)) as f:
+    after = f.read()
+  ba_path = _buffer_assignment_path(prefix)
+  with open(ba_path) as f:
+    peak, live = parse_buffer_assignment(f.read())
+  return StepGraphStats(
+      module=os.path.basename(prefix),
+      peak_bytes=peak,
+      live_at_peak=live,
+      output_shapes=parse_entry_output_shapes(before),
+      num_instructions=len(re.findall(r'^\s+(?:ROOT )?%?\S+ = ', after, re.M)))
+
+
+def _after_optimizations_path(prefix: str) -> str:
+  paths = [
+      p for p in glob.glob(prefix + '.*after_optimizations.txt')
+      if 'buffer-assignment' not in p
+  ]
+  if not paths:
+    raise FileNotFoundError(f'no after_optimizations HLO for {prefix}')
+  return paths[0]
+
+
+def _buffer_assignment_path(prefix: str) -> str:
+  paths = glob.glob(prefix + '.*after_optimizations-buffer-assignment.txt')
+  if not paths:
+    raise FileNotFoundError(f'no buffer assignment for {prefix}')
+  return paths[0]
+
+
+def _module_prefixes() -> set:
+  return {
+      p[:-len('.before_optimizations.txt')]
+      for p in glob.glob(os.path.join(DUMP_DIR, '*.before_optimizations.txt'))
+  }
+
+
+class _CountingReduceScatter:
+  """Forwards to an FSDP reduce-scatter op, counting the tensors it takes."""
+
+  def __init__(self, op, counts):
+    object.__setattr__(self, '_op', op)
+    object.__setattr__(self, '_counts', counts)
+
+  def __call__(self, input, callback):
+    self._counts['reduce_scatter'] += 1
+    return self._op(input, callback)
+
+  def __getattr__(self, name):
+    return getattr(self._op, name)
+
+  def __setattr__(self, name, value):
+    setattr(self._op, name, value)
+
+
+@contextlib.contextmanager
+def count_collectives(model: nn.Module):
+  """Count the all-gathers and reduce-scatters FSDP issues while active.
+
+  Counted where FSDP calls them, which works alike for real collectives
+  (with ``pin_layout=True`` an all-gather lowers to an all-reduce in HLO)
+  and for the simulated ones.
+  """
+  counts = {'all_gather': 0, 'reduce_scatter': 0}
+  units = [m for m in model.modules() if isinstance(m, FSDP)]
+  saved = [(m.all_gather_op, m.reduce_scatter_op) for m in units]
+
+  def counting_all_gather(op):
+
+    def all_gather(*args, **kwargs):
+      counts['all_gather'] += 1
+      return op(*args, **kwargs)
+
+    return all_gather
+
+  for m, (all_gather_op, reduce_scatter_op) in zip(units, saved):
+    m.all_gather_op = counting_all_gather(all_gather_op)
+    m.reduce_scatter_op = _CountingReduceScatter(reduce_scatter_op, counts)
+  try:
+    yield counts
+  finally:
+    for m, (all_gather_op, reduce_scatter_op) in zip(units, saved):
+      m.all_gather_op = all_gather_op
+      m.reduce_scatter_op = reduce_scatter_op
+
+
+def measure_training_step(step_fn: Callable[[], None],
+                          num_steps: int = 3,
+                          model: Optional[nn.Module] = None) -> StepGraphStats:
+  """Run ``step_fn`` + ``torch_xla.sync()`` ``num_steps`` times.
+
+  ``step_fn`` runs forward, backward and the optimizer step without syncing.
+  The step graph is the largest graph compiled while this ran (warm-up
+  graphs, e.g. the first step's, are smaller or equal); ``step_seconds`` is
+  the median wall time of the steps after the first two, ``compile_seconds``
+  the wall time of the first step minus that median. Given the FSDP
+  ``model``, the collectives of the last step are counted.
+  """
+  if num_steps < 1:
+    raise ValueError(f'num_steps must be >= 1, got {num_steps}')
+  xm.wait_device_ops()
+  seen = _module_prefixes()
+  times = []
+  counts = {'all_gather': 0, 'reduce_scatter': 0}
+  for i in range(num_steps):
+    counting = (
+        count_collectives(model) if model is not None and i == num_steps - 1
+        else contextlib.nullcontext(counts))
+    t0 = time.perf_counter()
+    with counting as counts:
+      step_fn()
+    torch_xla.sync()
+    xm.wait_device_ops()
+    times.append(time.perf_counter() - t0)
+  new = sorted(_module_prefixes() - seen)
+  if not new:
+    raise RuntimeError(
+        f'no XLA dump appeared in {DUMP_DIR}: import fsdp_memory_utils before '
+        'any XLA computation runs (XLA reads XLA_FLAGS once per process)')
+  stats = max((read_module(p) for p in new), key=lambda s: s.num_instructions)
+  stats.num_all_gathers = counts['all_gather']
+  stats.num_reduce_scatters = counts['reduce_scatter']
+  steady = times[2:] or times[1:] or times
+  stats.step_seconds = statistics.median(steady)
+  stats.compile_seconds = max(0.0, times[0] - stats.step_seconds)
+  if xr.device_type() == 'TPU':
+    stats.tpu_peak_bytes = xm.get_memory_info().get('peak_bytes_used')
+  return stats
+
+
+def report_model_step_stats(num_layers: int = 2,
+                            world_size: int = 1,
+                            num_steps: int = 3,
+                            batch: int = BATCH,
+                            **fsdp_kwargs) -> StepGraphStats:
+  """Step-graph stats of the report's training loop (SGD, batch 64)."""
+  with simulated_world_size(world_size) as sim_kwargs:
+    model = wrap_report_model(num_layers, **sim_kwargs, **fsdp_kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    device = torch_xla.device()
+
+    def step():
+      optimizer.zero_grad()
+      loss = model(torch.randn(batch, HIDDEN, device=device)).sum()
+      loss.backward()
+      optimizer.step()
+
+    return measure_training_step(step, num_steps, model)
+
+
+def cleanup_dumps() -> None:
+  """Remove the dump files (keeps the folder XLA writes to)."""
+  for p in glob.glob(os.path.join(DUMP_DIR, '*')):
+    if os.path.isfile(p):
+      os.remove(p)
+    else:
+      shutil.rmtree(p, ignore_errors=True)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(
+      description='Measure the step graph of the report model and print JSON.')
+  parser.add_argument('--layers', type=int, default=2)
+  parser.add_argument('--world-size', type=int, default=1)
+  parser.add_argument('--flatten', type=int, choices=(0, 1), default=1)
+  parser.add_argument('--steps', type=int, default=3)
+  args = parser.parse_args(argv)
+  try:
+    stats = report_model_step_stats(
+        args.layers,
+        args.world_size,
+        args.steps,
+        flatten_parameters=bool(args.flatten))
+  except ValueError as e:
+    sys.exit(f'error: {e}')
+  out = dataclasses.asdict(stats)
+  out['fsdp_file'] = fsdp_module.__file__
+  print(json.dumps(out))
+  cleanup_dumps()
+
+
+if __name__ == '__main__':
+  main()
