@@ -144,23 +144,30 @@ def wrap_report_model(num_layers=2,
 def faithful_dummy_all_gather(value, dim=0, groups=None):
   """``utils.dummy_all_gather`` made to schedule like a real all-gather.
 
-  The stock dummy is a ``repeat``: XLA may fuse it into its users and, since
-  the CPU compiler expands optimization barriers away, common-subexpression
-  elimination merges the backward re-gather with the forward gather, which
-  keeps every gathered parameter alive from forward to backward. A real
-  all-gather is a collective, ordered by the all-reduce token and never
-  merged. Routing the dummy's result through a real collective over this
-  single device (a reduce-scatter with one shard, an identity on the values)
-  gives it those properties at the cost of one copy.
+  The stock dummy is a ``repeat`` of the shard, which no collective orders:
+  since the CPU compiler also drops barriers by default, common-subexpression
+  elimination merged the backward re-gather with the forward gather and kept
+  every gathered parameter alive from forward to backward. A real all-gather
+  is chained to the other collectives (torch_xla's numeric token) and is
+  never merged. Here the shard first goes through a real all-reduce over this
+  single device (an identity on its values), which gives the dummy the
+  chaining; its input stays shard-sized, as a real all-gather's does, and
+  FSDP's barrier after every gather materializes the full-size result.
   """
-  out = fsdp_utils.dummy_all_gather(value, dim=dim, groups=groups)
-  return xm.reduce_scatter(
-      xm.REDUCE_SUM,
-      out,
-      scale=1.0,
-      scatter_dim=dim,
-      shard_count=1,
-      pin_layout=False)
+  chained = xm.all_reduce(xm.REDUCE_SUM, value, groups=None, pin_layout=False)
+  return fsdp_utils.dummy_all_gather(chained, dim=dim, groups=groups)
+
+
+def faithful_dummy_all_reduce(reduce_type, inputs, scale=1.0, groups=None):
+  """``utils.dummy_all_reduce`` chained to the other collectives as a real one.
+
+  Real collectives read the previous collective's output (torch_xla's
+  numeric token); a dummy that skips it changes how long those outputs live.
+  A real all-reduce over this single device has the real chaining and
+  returns ``inputs * scale``, as the dummy does.
+  """
+  return xm.all_reduce(
+      xm.REDUCE_SUM, inputs, scale=scale, groups=None, pin_layout=False)
 
 
 class FaithfulDummyReduceScatter(fsdp_utils.DummyReduceScatter):
@@ -200,11 +207,12 @@ def simulated_world_size(world_size: int, rank: int = 0, faithful: bool = True):
     yield {}
     return
   orig = (xr.world_size, xr.global_ordinal, fsdp_module.dummy_all_gather,
-          fsdp_module.DummyReduceScatter)
+          fsdp_module.dummy_all_reduce, fsdp_module.DummyReduceScatter)
   xr.world_size = lambda: world_size
   xr.global_ordinal = lambda: rank
   if faithful:
     fsdp_module.dummy_all_gather = faithful_dummy_all_gather
+    fsdp_module.dummy_all_reduce = faithful_dummy_all_reduce
     fsdp_module.DummyReduceScatter = FaithfulDummyReduceScatter
   try:
     yield dict(
@@ -213,7 +221,7 @@ def simulated_world_size(world_size: int, rank: int = 0, faithful: bool = True):
         _debug_dummy_reduce_scatter_op=True)
   finally:
     (xr.world_size, xr.global_ordinal, fsdp_module.dummy_all_gather,
-     fsdp_module.DummyReduceScatter) = orig
+     fsdp_module.dummy_all_reduce, fsdp_module.DummyReduceScatter) = orig
 
 
 # ---------------------------------------------------------------------------
@@ -226,6 +234,9 @@ class StepGraphStats:
   """What XLA compiled for one training step."""
   module: str
   peak_bytes: int
+  total_allocated_bytes: int
+  peak_resident_bytes: int
+  resident_at_peak: List[Tuple[str, int]]
   live_at_peak: List[Tuple[str, int]]
   output_shapes: List[str]
   num_instructions: int
@@ -280,8 +291,76 @@ def parse_entry_output_shapes(hlo_text: str) -> List[str]:
   return [sig]
 
 
+_TOTAL_RE = re.compile(r'^Total bytes used: (\d+)', re.M)
+
+
+def parse_total_allocated(text: str) -> int:
+  """All of the graph's allocations: parameters, outputs, constants and the
+  temporaries' heap, in which buffers updated in place share their space."""
+  m = _TOTAL_RE.search(text)
+  if m is None:
+    raise ValueError('no "Total bytes used" line in buffer assignment')
+  return int(m.group(1))
+
+
+_ALLOC_RE = re.compile(r'^allocation (\d+): ')
+_VALUE_RE = re.compile(r'^ value: <\d+ (\S+) @\S+> \(size=(\d+),offset=(\d+)\)')
+_RANGE_RE = re.compile(r'^\s+(\S+?)\{[^}]*\}:(\d+)-(\d+)$')
+
+
+def parse_resident_peak(text: str) -> Tuple[int, List[Tuple[str, int]]]:
+  """Peak of the memory actually resident, and what is resident then.
+
+  At each point of the schedule, the buffers whose live ranges include it,
+  each distinct memory region (allocation, offset) counted once: XLA gives
+  two values live at the same point the same region only when one updates
+  the other in place, so this counts such a buffer once, where XLA's
+  "peak usage" line counts it twice. Unlike "Total bytes used" it does not
+  include space the heap left unused between buffers.
+  """
+  where = {}
+  alloc = None
+  for line in text.splitlines():
+    m = _ALLOC_RE.match(line)
+    if m:
+      alloc = int(m.group(1))
+      continue
+    m = _VALUE_RE.match(line)
+    if m and alloc is not None:
+      where.setdefault(m.group(1), (alloc, int(m.group(3)), int(m.group(2))))
+  ranges = []
+  if 'BufferLiveRange:' not in text:
+    raise ValueError('no BufferLiveRange section in buffer assignment')
+  for line in text.split('BufferLiveRange:', 1)[1].splitlines()[1:]:
+    m = _RANGE_RE.match(line)
+    if m is None:
+      if line.strip():
+        break
+      continue
+    if m.group(1) in where:
+      ranges.append((int(m.group(2)), int(m.group(3)), m.group(1)))
+  best, best_live = 0, []
+  for t in sorted({start for start, _, _ in ranges}):
+    regions = {}
+    for start, end, name in ranges:
+      if start <= t <= end:
+        a, offset, size = where[name]
+        if size > regions.get((a, offset), ('', 0))[1]:
+          regions[(a, offset)] = (name, size)
+    total = sum(size for _, size in regions.values())
+    if total > best:
+      best, best_live = total, sorted(regions.values(), key=lambda v: -v[1])
+  return best, best_live
+
+
 def parse_buffer_assignment(text: str) -> Tuple[int, List[Tuple[str, int]]]:
-  """Peak bytes and the buffers live at the peak (name, bytes)."""
+  """Peak bytes and the buffers live at the peak (name, bytes).
+
+  This is XLA's "Stack trace breakdown for peak usage": the sum of the
+  buffers whose live ranges include the peak instruction. An operand updated
+  in place and its result both include that instruction, so such a buffer
+  counts twice there; ``parse_total_allocated`` does not.
+  """
   m = _PEAK_RE.search(text)
   if m is None:
     raise ValueError('no peak usage line in buffer assignment')
@@ -308,10 +387,15 @@ def read_module(prefix: str) -> StepGraphStats:
     after = f.read()
   ba_path = _buffer_assignment_path(prefix)
   with open(ba_path) as f:
-    peak, live = parse_buffer_assignment(f.read())
+    ba_text = f.read()
+  peak, live = parse_buffer_assignment(ba_text)
+  resident, resident_live = parse_resident_peak(ba_text)
   return StepGraphStats(
       module=os.path.basename(prefix),
       peak_bytes=peak,
+      total_allocated_bytes=parse_total_allocated(ba_text),
+      peak_resident_bytes=resident,
+      resident_at_peak=resident_live,
       live_at_peak=live,
       output_shapes=parse_entry_output_shapes(before),
       num_instructions=len(re.findall(r'^\s+(?:ROOT )?%?\S+ = ', after, re.M)))

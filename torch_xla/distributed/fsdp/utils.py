@@ -74,7 +74,9 @@ class DummyReduceScatter:
     end = begin + shard_size
     slices = [None] * input.dim()
     slices[0] = slice(begin, end)
-    callback(input[tuple(slices)])
+    # A real reduce-scatter returns a new tensor; a view would keep the full
+    # input alive (and make it a graph output) for as long as the shard lives.
+    callback(input[tuple(slices)].clone())
 
   def flush(self):
     pass

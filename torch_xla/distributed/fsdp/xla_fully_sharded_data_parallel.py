@@ -33,9 +33,10 @@ from torch.nn.parameter import Parameter
 from torch.nn.utils.rnn import PackedSequence
 import torch_xla
 from torch_xla import runtime as xr
+import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 
-from .xla_flatten_params_wrapper import XlaFlattenParamsWrapper
+from .xla_flatten_params_wrapper import FlatParameter, XlaFlattenParamsWrapper
 from .utils import (
     BucketizedReduceScatter,
     DummyReduceScatter,
@@ -151,6 +152,15 @@ class XlaFullyShardedDataParallel(nn.Module):
           original parameters in the wrapped module (e.g. setting bias terms or
           any BatchNorm submodules to have zero weight decay) since all the
           original parameters now become a single concatenated vector.
+          Memory: each original parameter is a tensor of its own (not a view
+          into the flat parameter) that is freed after forward like an
+          unflattened full parameter, so the gathered parameters are neither
+          kept until backward nor outputs of the step graph. The padded
+          all-gather result is used as is, and in backward the same buffer
+          receives the gradients in place and is reduce-scattered. Memory
+          then grows with depth as for ``flatten_parameters=False``; a module
+          still holds its whole flat parameter (or gradient) at a time, where
+          unflattened parameters come and go one by one.
       execute_sharding_on_init (bool, Optional):
           if ``True``, immediately execute the parameter sharding via
           `torch_xla.sync()` to free up the memory of the full parameters.
@@ -765,6 +775,51 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     assert len(self.sharded_params) == len(self.full_params)
 
+    for p in self.full_params:
+      if isinstance(p, FlatParameter):
+        self._init_unflattened_params(p)
+    if self.flatten_parameters:
+      # replace the views set at flattening time, which hold the full data
+      self._fsdp_wrapped_module._unflatten_params_as_views()
+
+  def _init_unflattened_params(self, p: FlatParameter) -> None:
+    """
+    Give flat parameter ``p`` one tensor per original parameter, which the
+    wrapped submodules use in place of views into ``p``.
+
+    With views, the forward's gathered data stays alive until backward (the
+    views, and the tensors autograd saved, keep it even after ``p`` is freed)
+    and becomes an output of the step graph. Under functionalization a view
+    cannot be freed either: it is regenerated from its base when read. The
+    tensors made here are leaves that are not views, so, as for unflattened
+    full parameters, ``_rebuild_full_params`` and ``_free_full_params`` swap
+    their data and autograd reads whatever they hold when backward runs.
+
+    Postcondition: ``p._unflattened_params[i]`` has ``_flat_param is p``,
+    ``_flat_param_offset`` (its start in ``p``), ``_orig_size``,
+    ``_sharded_param`` and ``_has_full_param == False``.
+    """
+    p._unflattened_params = []
+    p._num_unflattened_grads_awaited = 0
+    owned = {}
+    offset = 0
+    for (module_name, m, n), size, numel in zip(p._param_infos, p._param_shapes,
+                                                p._param_numels):
+      t = p.new_zeros(1).requires_grad_(p.requires_grad)
+      t._flat_param = p
+      t._flat_param_offset = offset
+      t._orig_size = size
+      t._orig_name = f"{module_name}.{n}" if module_name else n
+      t._sharded_param = p._sharded_param
+      t._has_full_param = False
+      t._awaiting_grad = False
+      p._unflattened_params.append(t)
+      owned.setdefault(m, []).append(t)
+      offset += numel
+    for m, ts in owned.items():
+      m.register_forward_pre_hook(
+          functools.partial(self._unflattened_params_pre_forward_hook, ts))
+
   def _get_shard(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, int]:
     """Return the local shard of a full tensor."""
     tensor = self._flatten_and_pad_to_world_size(
@@ -1184,6 +1239,10 @@ class XlaFullyShardedDataParallel(nn.Module):
     self._post_backward_hooks_to_call = 0
     for p in self.full_params:
       if p.requires_grad:
+        if isinstance(p, FlatParameter):
+          # autograd sees the unflattened params, not `p`
+          self._register_unflattened_params_post_backward_hooks(p)
+          continue
         if hasattr(p, "_shard_bwd_hook"):
           continue
         # Register a hook on the first call, empirically, autograd
@@ -1250,7 +1309,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.reduce_scatter_op.flush()
       return
 
-    if self.gradient_predivide_factor > 1:
+    if self.gradient_predivide_factor > 1 and not isinstance(
+        param, FlatParameter):  # (its pieces were divided when written)
       # Average grad by world_size for consistency with PyTorch DDP.
       grad.div_(self.gradient_predivide_factor)
 
@@ -1294,6 +1354,172 @@ class XlaFullyShardedDataParallel(nn.Module):
     self.reduce_scatter_op(grad_flat.detach(), reduce_scatter_done)
     if self._post_backward_hooks_to_call == 0:
       self.reduce_scatter_op.flush()
+
+  def _register_unflattened_params_post_backward_hooks(
+      self, p: FlatParameter) -> None:
+    """
+    Register ``_unflattened_param_post_backward_hook`` on each unflattened
+    param of ``p``; once all have fired, ``p``'s flat gradient is complete
+    and goes through ``_post_backward_hook(p)``, which counts as one hook.
+    """
+    if p._num_unflattened_grads_awaited > 0:
+      return  # already registered in an earlier forward of this iteration
+    for t in p._unflattened_params:
+      t_tmp = t.expand_as(t)  # Get a grad_fn on t_tmp.
+      assert t_tmp.grad_fn is not None
+      grad_acc = t_tmp.grad_fn.next_functions[0][0]
+      handle = grad_acc.register_hook(
+          functools.partial(self._unflattened_param_post_backward_hook, t))
+      t._shard_bwd_hook = (grad_acc, handle)
+      t._awaiting_grad = True
+    p._num_unflattened_grads_awaited = len(p._unflattened_params)
+    self._post_backward_hooks_to_call += 1
+
+  @torch.no_grad()
+  def _unflattened_param_post_backward_hook(self, param: torch.Tensor, *unused:
+                                            Any) -> None:
+    """
+    Post-backward hook of one unflattened param of flat parameter
+    ``p = param._flat_param``. ``p`` holds the padded buffer gathered for
+    this backward, which also serves as its flat gradient: ``param``'s
+    gradient is written over ``param``'s region of it, in place, and
+    ``param`` is freed. Once all of ``p``'s unflattened params are done, the
+    buffer (padding zeroed) is ``p.grad`` for ``_post_backward_hook``, which
+    reduce-scatters it as for any other parameter.
+    """
+    self.assert_state([TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST])
+    self.training_state = TrainingState.BACKWARD_POST
+    flat_param = param._flat_param
+    grad = param.grad
+    if grad is not None and grad.requires_grad:
+      raise RuntimeError(
+          "FSDP only works with gradients that don't require gradients")
+    if self._require_backward_grad_sync:
+      param.grad = None
+      # Flattened before the barrier: a reshape fused into the write makes
+      # XLA's CPU backend rewrite the whole buffer instead of updating it.
+      flat_grad = (
+          flat_param.new_zeros(param._orig_size.numel())
+          if grad is None else grad.reshape(-1))
+      if self.gradient_predivide_factor > 1:
+        # Divided piecewise (as `_post_backward_hook` would divide the
+        # whole): on the flat buffer, XLA's CPU backend does it out of place.
+        flat_grad = flat_grad / self.gradient_predivide_factor
+      if flat_param._token_reader is not None:
+        # `x - 0.0 == x` for every x, signed zeros and NaNs included.
+        flat_grad = flat_grad - flat_param._token_reader
+        flat_param._token_reader = None
+      # The buffer can only be updated in place once the backward ops that
+      # read `param` (a slice of the buffer) are done; this barrier orders
+      # them first. It also keeps XLA from folding the chain of writes into
+      # one concatenate, which needs all of `p`'s gradients alive at once.
+      self.optimization_barrier_op([flat_param, flat_grad] +
+                                   ([param] if param._has_full_param else []))
+      self._write_to_flat_param(flat_param, flat_grad, param._flat_param_offset)
+      flat_param._has_unflattened_grads = True
+    if grad is not None and (self._require_backward_grad_sync or
+                             self.reshard_after_forward):
+      self._free_full_params(
+          [param],
+          dependency_tensors=[grad],
+          apply_opt_barrier=self.optimization_barrier_in_backward)
+    param._awaiting_grad = False
+    flat_param._num_unflattened_grads_awaited -= 1
+    if flat_param._num_unflattened_grads_awaited > 0:
+      return
+
+    if getattr(flat_param, "_has_unflattened_grads", False):
+      flat_param._has_unflattened_grads = False
+      numel = sum(flat_param._param_numels)
+      if flat_param.numel() > numel:  # padding: not a gradient
+        self._write_to_flat_param(
+            flat_param, flat_param.new_zeros(flat_param.numel() - numel), numel)
+      flat_param.grad = flat_param.clone()  # XLA elides the copy
+      flat_param._token_reader = None
+    elif self._require_backward_grad_sync or self.reshard_after_forward:
+      self._free_full_params(
+          [flat_param], apply_opt_barrier=self.optimization_barrier_in_backward)
+    self._post_backward_hook(flat_param)
+
+  def _finalize_unflattened_params(self, p: FlatParameter) -> None:
+    """
+    Remove the unflattened params' hooks at the end of backward. Params that
+    took part in backward but got no gradient (their hook never fired) get
+    zeros in the flat gradient, which then completes as usual.
+    """
+    awaiting = [t for t in p._unflattened_params if t._awaiting_grad]
+    for t in p._unflattened_params:
+      if hasattr(t, "_shard_bwd_hook"):
+        t._shard_bwd_hook[1].remove()
+        delattr(t, "_shard_bwd_hook")
+    if self._pre_backward_hook_has_run:
+      for t in awaiting:
+        self._unflattened_param_post_backward_hook(t)
+    for t in awaiting:
+      t._awaiting_grad = False
+    p._num_unflattened_grads_awaited = 0
+
+  def _use_padded_unsharded_flat_param(self, p: FlatParameter,
+                                       p_padded: torch.Tensor) -> None:
+    """
+    Make the gathered ``p_padded`` the data of flat parameter ``p``, as is
+    (no ``[:numel]`` copy), and point its unflattened params at their slices.
+    """
+    # Collectives are chained by a numeric token: the next collective's input
+    # reads an element of this one's output. Read only where the next
+    # collective is built (in backward, the reduce-scatter of this very
+    # buffer), it would keep the gathered data alive and stop backward from
+    # writing gradients over it in place. A one-element all-reduce of a zero
+    # reads it now; the first write subtracts its result (exactly zero) from
+    # the gradient it writes, which orders the write after the read.
+    p._token_reader = self.all_reduce_op(
+        xm.REDUCE_SUM, p_padded.new_zeros(1), groups=self.sharding_groups)
+    self.optimization_barrier_op([p_padded])
+    _swap_data(p, p_padded)
+    for t in p._unflattened_params:
+      t._has_full_param = True
+    self._point_unflattened_params(p)
+
+  def _write_to_flat_param(self, p: FlatParameter, data: torch.Tensor,
+                           offset: int) -> None:
+    """
+    Write ``data`` into ``p`` at ``offset``, as a new version of ``p``'s data,
+    and point ``p``'s unflattened params that hold full data at it.
+    """
+    _swap_data(p, _dynamic_update_slice(p, data, offset))
+    self._point_unflattened_params(p)
+
+  @torch.no_grad()
+  def _unflattened_params_pre_forward_hook(self, params: List[torch.Tensor],
+                                           module: nn.Module,
+                                           args: Any) -> None:
+    """
+    Point ``module``'s own unflattened params at their slices again, right
+    before it runs, with the slices taken after its inputs. Otherwise XLA may
+    compute (copy out) the slices of all of an FSDP module's parameters as
+    soon as they are gathered, holding them all together with the gathered
+    buffer.
+    """
+    params = [t for t in params if t._has_full_param]
+    if params:
+      p = params[0]._flat_param
+      self.optimization_barrier_op([p] + collect_tensors(args))
+      self._point_unflattened_params(p, params)
+
+  def _point_unflattened_params(
+      self,
+      p: FlatParameter,
+      params: Optional[List[torch.Tensor]] = None) -> None:
+    """
+    Point unflattened ``params`` of ``p`` (default: all of them that hold full
+    data) at their slices of ``p``'s data. A slice is not a view of ``p``
+    once swapped in, so later versions of ``p`` leave it unchanged.
+    """
+    for t in p._unflattened_params if params is None else params:
+      if t._has_full_param:
+        _swap_data(
+            t, p[t._flat_param_offset:t._flat_param_offset +
+                 t._orig_size.numel()].view(t._orig_size))
 
   def _queue_wait_for_post_backward(self) -> None:
     """
@@ -1348,6 +1574,8 @@ class XlaFullyShardedDataParallel(nn.Module):
       for p in fsdp_module.full_params:
         if not p.requires_grad:
           frozen_params.append(p)
+        if isinstance(p, FlatParameter):
+          fsdp_module._finalize_unflattened_params(p)
         if hasattr(p, "_shard_bwd_hook"):
           assert len(p._shard_bwd_hook) == 2, len(p._shard_bwd_hook)
           p._shard_bwd_hook[1].remove()
@@ -1475,7 +1703,9 @@ class XlaFullyShardedDataParallel(nn.Module):
           if apply_opt_barrier:
             self.optimization_barrier_op([p_padded])
           with torch.autograd._unsafe_preserve_version_counter(p):
-            if self._shard_param_on_dim_0:
+            if isinstance(p, FlatParameter):
+              self._use_padded_unsharded_flat_param(p, p_padded)
+            elif self._shard_param_on_dim_0:
               if XLA_DISABLE_FUNCTIONALIZATION:
                 p.data = p_padded[:p_shard._orig_size[
                     0]]  # Old behavior before Functionalization.
@@ -1499,7 +1729,10 @@ class XlaFullyShardedDataParallel(nn.Module):
       if apply_opt_barrier:
         self.optimization_barrier_op(p_padded_list)
       for (p, p_shard), p_padded in zip(p_to_rebuild, p_padded_list):
-        p.data = p_padded[:p_shard._orig_size[0]]
+        if isinstance(p, FlatParameter):
+          self._use_padded_unsharded_flat_param(p, p_padded)
+        else:
+          p.data = p_padded[:p_shard._orig_size[0]]
 
     self.has_full_params = True
 
@@ -1534,6 +1767,12 @@ class XlaFullyShardedDataParallel(nn.Module):
           else:
             torch_xla._XLAC._replace_xla_tensor(p, self._dummy_data_placeholder)
         p._has_full_param = False
+        if isinstance(p, FlatParameter):
+          p._token_reader = None
+          for t in p._unflattened_params:
+            if t._has_full_param:
+              _swap_data(t, self._dummy_data_placeholder)
+              t._has_full_param = False
 
     if apply_opt_barrier:
       self._apply_opt_barrier_to_params_and_tensors(
@@ -1695,6 +1934,44 @@ class XlaFullyShardedDataParallel(nn.Module):
             "if using an `auto_wrap_policy`")
 
     recursive_wrap(**auto_wrap_kwargs, **fsdp_kwargs)
+
+
+_DUS_COMPUTATIONS = {}
+
+
+def _dynamic_update_slice(t: torch.Tensor, update: torch.Tensor,
+                          offset: int) -> torch.Tensor:
+  """
+  1-D ``t`` with 1-D ``update`` written at ``offset``, as an XLA
+  DynamicUpdateSlice, which XLA does in place when ``t`` is not used
+  afterwards. ``slice_scatter`` (and an in-place ``copy_`` into a slice) is
+  lowered to a select over a full-size pad and mask, and ``cat`` can never
+  reuse its input's buffer; both cost a full-size buffer per write.
+  """
+  shapes = [xb.tensor_shape(t), xb.tensor_shape(update)]
+  key = (str(shapes[0].shape), str(shapes[1].shape), offset)
+  if key not in _DUS_COMPUTATIONS:
+
+    def dus(t_op, u_op):
+      start = xb.Op.scalar(t_op.builder(), offset, dtype=xb.Type.S32)
+      # A no-op (removed by XLA) unless, e.g., zeros made from `t`'s float32
+      # metadata go into bfloat16 data.
+      return t_op.dynamic_update_slice(u_op.cast(shapes[0].dtype), [start])
+
+    _DUS_COMPUTATIONS[key] = xb.create_computation(
+        "xla_fsdp_dynamic_update_slice", dus, shapes)
+  return torch_xla._XLAC._xla_user_computation("xla::fsdp_dynamic_update_slice",
+                                               [t, update],
+                                               _DUS_COMPUTATIONS[key])[0]
+
+
+def _swap_data(t: torch.Tensor, data: torch.Tensor) -> None:
+  """Make ``data`` the data of ``t`` in place of its own, unseen by autograd."""
+  with torch.autograd._unsafe_preserve_version_counter(t):
+    if XLA_DISABLE_FUNCTIONALIZATION:
+      t.data = data  # Old behavior before Functionalization.
+    else:
+      torch_xla._XLAC._replace_xla_tensor(t, data)
 
 
 def apply_to_tensors(
