@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -536,6 +537,31 @@ def report_model_step_stats(num_layers: int = 2,
       optimizer.step()
 
     return measure_training_step(step, num_steps, model)
+
+
+def measure_in_subprocess(stock: Optional[bool] = None, **kwargs) -> dict:
+  """Measure one report-model configuration in a fresh process.
+
+  ``kwargs`` are this script's flags (``layers``, ``world_size``,
+  ``flatten``, ``steps``). ``stock=True`` turns the overlay off (stock
+  torch_xla FSDP), ``False`` on; ``None`` keeps this process's setting.
+  Returns the JSON this script prints, ``StepGraphStats`` fields plus
+  ``fsdp_file``.
+  """
+  args = [sys.executable, os.path.abspath(__file__)]
+  for k, v in kwargs.items():
+    args += [f"--{k.replace('_', '-')}", str(int(v))]
+  env = dict(os.environ)
+  if stock is not None:
+    env['TORCH_XLA_FSDP_OVERLAY'] = '0' if stock else '1'
+  # The child picks its own dump folder (and the flags for its device).
+  env['XLA_FLAGS'] = re.sub(
+      re.escape(_DUMP_FLAG) + r'\S+|' + re.escape(_KEEP_BARRIERS_FLAG), '',
+      env.get('XLA_FLAGS', '')).strip()
+  out = subprocess.run(args, env=env, capture_output=True, text=True)
+  if out.returncode != 0:
+    raise RuntimeError(f'{" ".join(args)} failed:\n{out.stderr[-4000:]}')
+  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def cleanup_dumps() -> None:

@@ -58,6 +58,10 @@ function run_test_without_functionalization {
 
 run_test test_fsdp_overlay.py
 run_test test_fsdp_memory_measurement.py
+run_test test_fsdp_flatten_memory.py
+run_test_without_functionalization test_fsdp_flatten_memory.py
+run_test test_fsdp_flatten_parity.py
+run_test_without_functionalization test_fsdp_flatten_parity.py
 
 echo
 for t in "${FAILED_FILES[@]}"; do echo "FAILED: $t"; done

@@ -6,30 +6,17 @@ figures whatever the checkout's FSDP does.
 """
 
 import collections
-import json
-import os
-import subprocess
 import sys
 import unittest
 
 import fsdp_memory_utils as mu
 
-HELPER = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), 'fsdp_memory_utils.py')
 FULL_WEIGHT = f'f32[{mu.HIDDEN},{mu.HIDDEN}]'
 FULL_WEIGHT_BYTES = mu.HIDDEN * mu.HIDDEN * 4
 
 
 def measure(stock, **kwargs):
-  """Runs the helper's CLI; stock=True turns the overlay off."""
-  args = [sys.executable, HELPER]
-  for k, v in kwargs.items():
-    args += [f"--{k.replace('_', '-')}", str(int(v))]
-  env = dict(os.environ, TORCH_XLA_FSDP_OVERLAY='0' if stock else '1')
-  env.pop('XLA_FLAGS', None)  # the subprocess picks its own dump folder
-  out = subprocess.run(
-      args, env=env, check=True, capture_output=True, text=True).stdout
-  return json.loads(out.strip().splitlines()[-1])
+  return mu.measure_in_subprocess(stock=stock, **kwargs)
 
 
 @unittest.skipUnless(mu.xr.device_type() == 'CPU',

@@ -1,0 +1,126 @@
+"""Memory of XlaFullyShardedDataParallel(flatten_parameters=True).
+
+pytorch/xla#5464: with flatten_parameters=True the submodules used views of
+the gathered flat parameter, which kept the forward's gathered data alive
+until backward and made it outputs of the step graph. These tests check the
+step graph XLA compiles for the report's model, at world size 1 and at a
+simulated world size of 8 (fsdp_memory_utils.simulated_world_size).
+
+Each assertion fails on stock torch_xla: run this file with
+TORCH_XLA_FSDP_OVERLAY=0 to see it.
+"""
+
+import collections
+import sys
+import unittest
+
+import fsdp_memory_utils as mu  # first: it sets XLA_FLAGS
+import torch
+import torch_xla
+import torch_xla.distributed.fsdp.utils as fsdp_utils
+
+# (world size, layers); two depths at one world size give the growth per layer.
+CONFIGS = [(1, 2), (8, 2), (8, 4)]
+WEIGHT_SHAPE = f'f32[{mu.HIDDEN},{mu.HIDDEN}]'
+
+
+def padded_unit_bytes(world_size):
+  """One FSDP unit (a Layer) gathered: its flat parameter, padded."""
+  multiple = world_size * 128
+  return -(-mu.layer_numel() // multiple) * multiple * 4
+
+
+class TestFlattenStepGraph(unittest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    cls.stats = {}
+    for world_size, layers in CONFIGS:
+      for flatten in (0, 1):
+        cls.stats[(world_size, layers, flatten)] = mu.measure_in_subprocess(
+            layers=layers, world_size=world_size, flatten=flatten)
+
+  def test_outputs_are_shards_and_their_grads(self):
+    for world_size, layers in CONFIGS:
+      with self.subTest(world_size=world_size, layers=layers):
+        outputs = self.stats[(world_size, layers, 1)]['output_shapes']
+        # One trainable flat parameter per Layer (the root unit has none of
+        # its own): its updated shard and its gradient shard.
+        self.assertEqual(len(outputs), 2 * layers, outputs)
+        shard = f'f32[{padded_unit_bytes(world_size) // 4 // world_size}]'
+        self.assertEqual(collections.Counter(outputs), {shard: 2 * layers})
+        self.assertNotIn(WEIGHT_SHAPE, outputs)
+
+  def test_grows_with_depth_like_unflattened(self):
+    # Per layer, memory grows by the layer's sharded state and activations,
+    # as with flatten_parameters=False (stock: by its gathered data too).
+    def per_layer(flatten):
+      return (self.stats[(8, 4, flatten)]['peak_resident_bytes'] -
+              self.stats[(8, 2, flatten)]['peak_resident_bytes']) / 2
+
+    self.assertLessEqual(per_layer(1), per_layer(0) + 2**20)
+
+  def test_at_most_one_unit_over_unflattened(self):
+    # A module holds its whole flat parameter, then its whole flat gradient,
+    # where unflattened parameters come and go one at a time: at most one
+    # more gathered unit than flatten_parameters=False (stock: up to 7).
+    for world_size, layers in CONFIGS:
+      with self.subTest(world_size=world_size, layers=layers):
+        flat = self.stats[(world_size, layers, 1)]
+        unflat = self.stats[(world_size, layers, 0)]
+        self.assertLessEqual(
+            flat['peak_resident_bytes'],
+            unflat['peak_resident_bytes'] + padded_unit_bytes(world_size))
+        if flat['tpu_peak_bytes'] is not None:
+          self.assertLessEqual(
+              flat['tpu_peak_bytes'],
+              unflat['tpu_peak_bytes'] + padded_unit_bytes(world_size))
+
+
+class TestReshardAfterForwardFrees(unittest.TestCase):
+
+  def setUp(self):
+    self.model = mu.wrap_report_model(2, hidden=256, flatten_parameters=True)
+    self.device = torch_xla.device()
+    self.linears = [
+        m for m in self.model.modules() if isinstance(m, torch.nn.Linear)
+    ]
+
+  def assert_freed(self):
+    for linear in self.linears:
+      # No view of any gathered data stays on the modules...
+      self.assertFalse(linear.weight._is_view())
+      # ...and the tensor itself holds only the freed placeholder.
+      self.assertEqual(linear.weight.numel(), 1)
+
+  def test_freed_between_forward_and_backward_and_after_step(self):
+    seen_in_forward = []
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: seen_in_forward.append(
+            (tuple(m.weight.shape), m.weight._is_view()))) for m in self.linears
+    ]
+    loss = self.model(torch.randn(4, 256, device=self.device)).sum()
+    for h in hooks:
+      h.remove()
+    self.assertEqual(seen_in_forward, [((256, 256), False)] * 16)
+    self.assert_freed()
+    loss.backward()
+    self.assert_freed()
+    torch_xla.sync()
+    self.assert_freed()
+
+
+class TestDummyReduceScatter(unittest.TestCase):
+
+  def test_returns_a_new_tensor(self):
+    full = torch.arange(8.0, device=torch_xla.device())
+    shards = []
+    with mu.simulated_world_size(4, faithful=False):
+      fsdp_utils.DummyReduceScatter(shard_count=4)(full, shards.append)
+    self.assertFalse(shards[0]._is_view())
+    self.assertEqual(shards[0].cpu().tolist(), [0.0, 1.0])
+
+
+if __name__ == '__main__':
+  test = unittest.main(exit=False)
+  sys.exit(0 if test.result.wasSuccessful() else 1)

@@ -1,0 +1,151 @@
+"""flatten_parameters=True trains exactly like flatten_parameters=False.
+
+Also exactly like stock torch_xla's flatten_parameters=True (run in a child
+process with TORCH_XLA_FSDP_OVERLAY=0), with the same collectives. Compared
+over several AdamW steps: losses, gradient norms (``clip_grad_norm_``) and
+the consolidated checkpoint (``consolidate_sharded_state_dicts``). The model
+nests one FSDP unit per block inside a root unit with parameters of its own,
+and its flat parameters need padding.
+"""
+
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import fsdp_memory_utils as mu
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch_xla
+from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+from torch_xla.distributed.fsdp.state_dict_utils import (
+    consolidate_sharded_state_dicts)
+from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+STEPS = 4
+RTOL = 1e-6
+
+
+class Block(nn.Module):
+
+  def __init__(self, dim=100, hidden=300):
+    super().__init__()
+    self.fc1 = nn.Linear(dim, hidden)
+    self.fc2 = nn.Linear(hidden, dim)
+
+  def forward(self, x):
+    return x + self.fc2(F.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+
+  def __init__(self, num_blocks=3, dim=100, classes=10):
+    super().__init__()
+    self.blocks = nn.ModuleList([Block(dim) for _ in range(num_blocks)])
+    self.head = nn.Linear(dim, classes)
+
+  def forward(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
+
+
+def train(flatten_parameters, steps=STEPS):
+  """Losses, gradient norms, the last step's collectives, final checkpoint."""
+  torch.manual_seed(0)
+  policy = functools.partial(
+      transformer_auto_wrap_policy, transformer_layer_cls={Block})
+  model = FSDP(
+      Net(), auto_wrap_policy=policy, flatten_parameters=flatten_parameters)
+  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+  device = torch_xla.device()
+  generator = torch.Generator().manual_seed(1)
+  x = torch.randn(32, 100, generator=generator).to(device)
+  y = torch.randint(0, 10, (32,), generator=generator).to(device)
+  losses, grad_norms = [], []
+  for _ in range(steps):
+    optimizer.zero_grad()
+    with mu.count_collectives(model) as collectives:
+      loss = F.cross_entropy(model(x), y)
+      loss.backward()
+    grad_norm = model.clip_grad_norm_(1e9)  # reports the norm, clips nothing
+    optimizer.step()
+    torch_xla.sync()
+    losses.append(loss.item())
+    grad_norms.append(grad_norm.item())
+  state_dict = {k: v.cpu() for k, v in model.state_dict().items()}
+  full = consolidate_sharded_state_dicts([state_dict],
+                                         model.get_shard_metadata())
+  return {
+      'losses': losses,
+      'grad_norms': grad_norms,
+      'collectives': collectives,
+      'checkpoint': full
+  }
+
+
+def train_stock_flattened():
+  """``train(True)`` with stock torch_xla's FSDP, in a child process."""
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, 'stock.pt')
+    env = dict(os.environ, TORCH_XLA_FSDP_OVERLAY='0')
+    subprocess.run([sys.executable,
+                    os.path.abspath(__file__), '--save', path],
+                   env=env,
+                   check=True,
+                   capture_output=True)
+    return torch.load(path)
+
+
+class TestFlattenParity(unittest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    cls.unflat = train(False)
+    cls.flat = train(True)
+
+  def assert_same_training(self, a, b):
+    torch.testing.assert_close(a['losses'], b['losses'], rtol=RTOL, atol=0)
+    torch.testing.assert_close(
+        a['grad_norms'], b['grad_norms'], rtol=RTOL, atol=0)
+    self.assertEqual(a['collectives'], b['collectives'])
+    self.assertEqual(a['checkpoint'].keys(), b['checkpoint'].keys())
+    for name in a['checkpoint']:
+      torch.testing.assert_close(
+          a['checkpoint'][name],
+          b['checkpoint'][name],
+          rtol=RTOL,
+          atol=1e-7,
+          msg=lambda m: f'{name}: {m}')
+
+  def test_loss_decreases(self):
+    self.assertLess(self.flat['losses'][-1], self.flat['losses'][0])
+
+  def test_same_as_unflattened(self):
+    flat = dict(self.flat, collectives=None)
+    self.assert_same_training(flat, dict(self.unflat, collectives=None))
+
+  def test_one_all_gather_and_reduce_scatter_per_flat_param(self):
+    # 4 units (3 blocks, root): each gathered for forward and, except the
+    # root (not resharded after forward), again for backward.
+    self.assertEqual(self.flat['collectives'], {
+        'all_gather': 4 + 3,
+        'reduce_scatter': 4
+    })
+
+  @unittest.skipIf(
+      os.environ.get('TORCH_XLA_FSDP_OVERLAY') == '0',
+      'already running stock torch_xla')
+  def test_same_as_stock_flattened(self):
+    self.assert_same_training(self.flat, train_stock_flattened())
+
+
+if __name__ == '__main__':
+  if '--save' in sys.argv:
+    torch.save(train(True), sys.argv[sys.argv.index('--save') + 1])
+    sys.exit(0)
+  test = unittest.main(exit=False)
+  sys.exit(0 if test.result.wasSuccessful() else 1)
