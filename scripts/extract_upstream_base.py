@@ -16,20 +16,13 @@ manifest.
 import argparse
 import glob
 import hashlib
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MANIFEST = os.path.join(ROOT, 'upstream_base.json')
-
-
-def load_manifest():
-  with open(MANIFEST) as f:
-    return json.load(f)
+from upstream_base import ROOT, base_commit, load_manifest
 
 
 def sha256(data: bytes) -> str:
@@ -60,20 +53,6 @@ def read_from_wheel(wheel: str, manifest) -> dict:
       except KeyError:
         sys.exit(f'error: {rel} is not in {os.path.basename(wheel)}')
   return files
-
-
-def base_commit() -> str:
-  """The commit that added the manifest, i.e. the pristine base."""
-  out = subprocess.run([
-      'git', '-C', ROOT, 'log', '--diff-filter=A', '--format=%H', '--',
-      'upstream_base.json'
-  ],
-                       check=True,
-                       capture_output=True,
-                       text=True).stdout.split()
-  if not out:
-    sys.exit('error: upstream_base.json is not committed yet')
-  return out[-1]
 
 
 def read_checkout(manifest, at_commit=None) -> dict:

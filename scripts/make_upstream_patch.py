@@ -6,32 +6,17 @@ upstream (``upstream_base.json`` -> ``upstream_paths``), where ``<base>`` is
 the commit that added the pristine upstream files.
 
   python scripts/make_upstream_patch.py                    # writes out/upstream.patch
-  python scripts/make_upstream_patch.py --check ~/pytorch-xla   # and git apply --check
+  python scripts/make_upstream_patch.py --check ~/pytorch-xla   # + docs, git apply --check
 """
 
 import argparse
-import json
+import difflib
 import os
 import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def git(*args, cwd=ROOT) -> str:
-  return subprocess.run(['git', '-C', cwd, *args],
-                        check=True,
-                        capture_output=True,
-                        text=True).stdout
-
-
-def base_commit() -> str:
-  commits = git('log', '--diff-filter=A', '--format=%H', '--',
-                'upstream_base.json').split()
-  if not commits:
-    sys.exit('error: upstream_base.json is not committed; no base to diff from')
-  return commits[-1]
+from upstream_base import ROOT, base_commit, git, load_manifest
 
 
 def main():
@@ -47,10 +32,15 @@ def main():
       help='a pytorch/xla checkout to run `git apply --check` in')
   args = parser.parse_args()
 
-  with open(os.path.join(ROOT, 'upstream_base.json')) as f:
-    paths = json.load(f)['upstream_paths']
+  manifest = load_manifest()
   base = base_commit()
-  patch = git('diff', '--binary', f'{base}..HEAD', '--', *paths)
+  patch = git('diff', '--binary', f'{base}..HEAD', '--',
+              *manifest['upstream_paths'])
+  if args.check:
+    patch += doc_patch(args.check, manifest.get('upstream_docs', {}))
+  elif manifest.get('upstream_docs'):
+    print('note: the documentation hunks need upstream\'s files; give '
+          '--check PYTORCH_XLA to include them')
   os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
   with open(args.output, 'w') as f:
     f.write(patch)
@@ -62,6 +52,35 @@ def main():
 
   if args.check:
     check_applies(args.check, args.output, bool(patch))
+
+
+def doc_patch(repo: str, docs: dict) -> str:
+  """Diff hunks inserting our sections into upstream docs (read at HEAD).
+
+  Upstream's docs are not in the torch_xla wheel, hence not in the base:
+  the section text lives in this repository and is placed at patch time.
+  """
+  hunks = []
+  for path, spec in docs.items():
+    try:
+      old = git('show', f'HEAD:{path}', cwd=repo)
+    except subprocess.CalledProcessError:
+      sys.exit(f'error: {repo} has no {path} at HEAD')
+    marker = spec['insert_before']
+    if marker not in old:
+      sys.exit(f'error: {path} in {repo} has no line "{marker}" to insert '
+               'the section before; update upstream_base.json')
+    with open(os.path.join(ROOT, spec['section'])) as f:
+      section = f.read()
+    i = old.index(marker)
+    new = old[:i] + section + '\n' + old[i:]
+    hunks.append(''.join(
+        difflib.unified_diff(
+            old.splitlines(keepends=True),
+            new.splitlines(keepends=True),
+            fromfile=f'a/{path}',
+            tofile=f'b/{path}')))
+  return ''.join(f'diff --git a/{p} b/{p}\n' + h for p, h in zip(docs, hunks))
 
 
 def check_applies(repo: str, patch_path: str, nonempty: bool) -> None:

@@ -246,6 +246,8 @@ class StepGraphStats:
   compile_seconds: float = 0.0
   step_seconds: float = 0.0
   tpu_peak_bytes: Optional[int] = None
+  explained: Optional[List[dict]] = None
+  hlo_path: str = ''
 
   @property
   def num_outputs(self) -> int:
@@ -382,9 +384,7 @@ def read_module(prefix: str) -> StepGraphStats:
   """Stats of one dumped module, ``prefix`` being ``.../module_NNNN.Name``."""
   with open(prefix + '.before_optimizations.txt') as f:
     before = f.read()
-  with open(prefix + '.cpu_after_optimizations.txt' if os.path.
-            exists(prefix + '.cpu_after_optimizations.txt'
-                  ) else _after_optimizations_path(prefix)) as f:
+  with open(_after_optimizations_path(prefix)) as f:
     after = f.read()
   ba_path = _buffer_assignment_path(prefix)
   with open(ba_path) as f:
@@ -397,6 +397,7 @@ def read_module(prefix: str) -> StepGraphStats:
       total_allocated_bytes=parse_total_allocated(ba_text),
       peak_resident_bytes=resident,
       resident_at_peak=resident_live,
+      hlo_path=_after_optimizations_path(prefix),
       live_at_peak=live,
       output_shapes=parse_entry_output_shapes(before),
       num_instructions=len(re.findall(r'^\s+(?:ROOT )?%?\S+ = ', after, re.M)))
@@ -424,6 +425,94 @@ def _module_prefixes() -> set:
       p[:-len('.before_optimizations.txt')]
       for p in glob.glob(os.path.join(DUMP_DIR, '*.before_optimizations.txt'))
   }
+
+
+def buffer_names(model: nn.Module) -> Dict[str, List[str]]:
+  """What a buffer of each shape may be, from an FSDP model's structure.
+
+  Maps an HLO shape string (e.g. ``f32[1280,1280]``) to descriptions such as
+  ``gathered flat param of layers.0`` or ``layers.0.sb1.fc1.weight``.
+  """
+  names: Dict[str, List[str]] = {}
+
+  def add(numel_or_size, what):
+    dims = ([numel_or_size]
+            if isinstance(numel_or_size, int) else list(numel_or_size))
+    names.setdefault(f"f32[{','.join(map(str, dims))}]", []).append(what)
+
+  for unit_name, unit in model.named_modules():
+    if not isinstance(unit, FSDP):
+      continue
+    unit_name = (
+        unit_name.replace('_fsdp_wrapped_module.', '').replace(
+            '_fpw_module.', '') or '(root)')
+    multiple = unit.world_size * unit._shard_size_multiple
+    for full, shard in zip(unit.full_params, unit.sharded_params):
+      padded = -(-shard._orig_size.numel() // multiple) * multiple
+      kind = 'flat param' if hasattr(full, '_param_numels') else 'param'
+      add(padded, f'gathered {kind} of {unit_name}')
+      add(shard.numel(), f'{kind} shard (or its grad) of {unit_name}')
+      for (module_name, _, n), size in zip(
+          getattr(full, '_param_infos', []), getattr(full, '_param_shapes',
+                                                     [])):
+        module_name = module_name.replace('_fpw_module.',
+                                          '').replace('_fpw_module', '')
+        add(
+            size, '.'.join(
+                x for x in (unit_name, module_name, n) if x and x != '(root)'))
+      if kind == 'param':
+        add(shard._orig_size, shard._orig_name)
+  return names
+
+
+_SOURCE_RE = re.compile(r'source_file="([^"]+)" source_line=(\d+)')
+_OP_TYPE_RE = re.compile(r'op_type="([^"]+)"')
+
+
+@functools.lru_cache(maxsize=None)
+def _functions_of(path: str) -> List[Tuple[int, int, str]]:
+  import ast
+  try:
+    with open(path) as f:
+      tree = ast.parse(f.read())
+  except (OSError, SyntaxError):
+    return []
+  return [(n.lineno, n.end_lineno, n.name)
+          for n in ast.walk(tree)
+          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _where(path: str, line: int) -> str:
+  enclosing = [(start, name)
+               for start, end, name in _functions_of(path)
+               if start <= line <= end]
+  fn = f' {max(enclosing)[1]}' if enclosing else ''
+  return f'{os.path.basename(path)}:{line}{fn}'
+
+
+def explain_buffers(live: List[Tuple[str, int]], hlo_text: str,
+                    names: Dict[str, List[str]]) -> List[dict]:
+  """Describe buffers (name, bytes) by shape, op and the Python source.
+
+  The source is the innermost Python frame XLA recorded for the op that
+  made the buffer; run with ``XLA_HLO_DEBUG=1`` to have it.
+  """
+  out = []
+  for name, size in live:
+    m = re.search(r'%' + re.escape(name) + r' = (\S+) ([^\n]*)', hlo_text)
+    shape = re.sub(r'\{[\d,]*\}', '', m.group(1)) if m else '?'
+    line = m.group(2) if m else ''
+    op = _OP_TYPE_RE.search(line)
+    src = _SOURCE_RE.search(line)
+    out.append({
+        'buffer': name,
+        'bytes': size,
+        'shape': shape,
+        'op': op.group(1) if op else '',
+        'source': _where(src.group(1), int(src.group(2))) if src else '',
+        'may_be': names.get(shape, []),
+    })
+  return out
 
 
 class _CountingReduceScatter:
@@ -523,8 +612,13 @@ def report_model_step_stats(num_layers: int = 2,
                             world_size: int = 1,
                             num_steps: int = 3,
                             batch: int = BATCH,
+                            explain: bool = False,
                             **fsdp_kwargs) -> StepGraphStats:
-  """Step-graph stats of the report's training loop (SGD, batch 64)."""
+  """Step-graph stats of the report's training loop (SGD, batch 64).
+
+  With ``explain``, ``stats.explained`` describes the buffers resident at
+  the peak (see ``explain_buffers``).
+  """
   with simulated_world_size(world_size) as sim_kwargs:
     model = wrap_report_model(num_layers, **sim_kwargs, **fsdp_kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -536,7 +630,12 @@ def report_model_step_stats(num_layers: int = 2,
       loss.backward()
       optimizer.step()
 
-    return measure_training_step(step, num_steps, model)
+    stats = measure_training_step(step, num_steps, model)
+    if explain:
+      with open(stats.hlo_path) as f:
+        stats.explained = explain_buffers(stats.resident_at_peak, f.read(),
+                                          buffer_names(model))
+    return stats
 
 
 def measure_in_subprocess(stock: Optional[bool] = None, **kwargs) -> dict:
@@ -580,12 +679,14 @@ def main(argv=None) -> None:
   parser.add_argument('--world-size', type=int, default=1)
   parser.add_argument('--flatten', type=int, choices=(0, 1), default=1)
   parser.add_argument('--steps', type=int, default=3)
+  parser.add_argument('--explain', type=int, choices=(0, 1), default=0)
   args = parser.parse_args(argv)
   try:
     stats = report_model_step_stats(
         args.layers,
         args.world_size,
         args.steps,
+        explain=bool(args.explain),
         flatten_parameters=bool(args.flatten))
   except ValueError as e:
     sys.exit(f'error: {e}')

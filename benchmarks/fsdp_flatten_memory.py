@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Memory report: stock vs patched FSDP, flatten_parameters False vs True.
+
+For each world size (1, and 8 simulated on one device) and depth of the
+model from pytorch/xla#5464, measures the training step's compiled graph:
+peak bytes (XLA's own figure and the resident one, which counts a buffer
+updated in place once), graph outputs, all-gathers, reduce-scatters,
+instructions, compile and step time. Every configuration runs in a process
+of its own, stock torch_xla with TORCH_XLA_FSDP_OVERLAY=0.
+
+  python benchmarks/fsdp_flatten_memory.py                # CPU, a few minutes
+  python benchmarks/fsdp_flatten_memory.py --layers 2 4 --world-sizes 8
+  python benchmarks/fsdp_flatten_memory.py --explain --layers 2 --world-sizes 8
+
+Writes report.json and peak_vs_layers.png to --out (default out/report).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# CPU unless told otherwise; set before the helper decides its XLA flags.
+os.environ.setdefault('PJRT_DEVICE', 'CPU')
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'test'))
+import fsdp_memory_utils as mu  # noqa: E402
+
+VARIANTS = [('stock', False), ('stock', True), ('patched', False),
+            ('patched', True)]
+MB = 1e6
+
+
+def label(build, flatten):
+  return f"{build} flatten={'True' if flatten else 'False'}"
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='\n'.join(__doc__.splitlines()[1:]))
+  parser.add_argument(
+      '--layers', type=int, nargs='+', default=[2, 4, 8], metavar='N')
+  parser.add_argument(
+      '--world-sizes', type=int, nargs='+', default=[1, 8], metavar='W')
+  parser.add_argument('--steps', type=int, default=4)
+  parser.add_argument('--out', default=os.path.join('out', 'report'))
+  parser.add_argument(
+      '--explain',
+      action='store_true',
+      help='for the first configuration only: what is resident at the peak '
+      'of each variant, mapped to FSDP units and parameters')
+  args = parser.parse_args(argv)
+  for name, values, low in (('--layers', args.layers, 1), ('--world-sizes',
+                                                           args.world_sizes, 1),
+                            ('--steps', [args.steps], 3)):
+    bad = [v for v in values if v < low]
+    if bad:
+      parser.exit(2, f'error: {name} must be >= {low}, got {bad[0]}\n')
+  return args
+
+
+def measure_all(args):
+  configs = [(w, l) for w in args.world_sizes for l in args.layers]
+  if args.explain:
+    configs = configs[:1]
+  results = []
+  total = len(configs) * len(VARIANTS)
+  start = time.time()
+  for i, ((world_size, layers), (build, flatten)) in enumerate(
+      ((c, v) for c in configs for v in VARIANTS), 1):
+    what = (f'world size {world_size}{" (simulated)" if world_size > 1 else ""}'
+            f', {layers} layers, {label(build, flatten)}')
+    print(f'[{i}/{total}] {what} ...', end=' ', flush=True)
+    if args.explain:
+      os.environ['XLA_HLO_DEBUG'] = '1'
+    stats = mu.measure_in_subprocess(
+        stock=build == 'stock',
+        layers=layers,
+        world_size=world_size,
+        flatten=flatten,
+        steps=args.steps,
+        explain=args.explain)
+    print(
+        f"peak {stats['peak_bytes'] / MB:.1f} MB, "
+        f"{time.time() - start:.0f} s so far",
+        flush=True)
+    results.append(
+        dict(
+            stats,
+            build=build,
+            flatten=flatten,
+            world_size=world_size,
+            layers=layers))
+  return results
+
+
+def find(results, build, flatten, world_size, layers):
+  for r in results:
+    if (r['build'], r['flatten'], r['world_size'],
+        r['layers']) == (build, flatten, world_size, layers):
+      return r
+  return None
+
+
+def print_table(results):
+  cols = [('variant', 24), ('ws', 3), ('L', 2), ('peak MB', 8), ('res MB', 8),
+          ('outputs', 7), ('ag', 4), ('rs', 4), ('instrs', 6), ('compile s', 9),
+          ('step ms', 8)]
+  print()
+  print('  '.join(f'{c:>{w}}' for c, w in cols))
+  for r in results:
+    row = [
+        label(r['build'], r['flatten']), r['world_size'], r['layers'],
+        f"{r['peak_bytes'] / MB:.1f}", f"{r['peak_resident_bytes'] / MB:.1f}",
+        len(r['output_shapes']), r['num_all_gathers'], r['num_reduce_scatters'],
+        r['num_instructions'], f"{r['compile_seconds']:.1f}",
+        f"{r['step_seconds'] * 1e3:.0f}"
+    ]
+    print('  '.join(f'{v:>{w}}' for v, (_, w) in zip(row, cols)))
+  print()
+  print('Ratios (same run):')
+  print(f"{'ws':>3}  {'L':>2}  {'patched flat/unflat peak':>24}  "
+        f"{'resident':>8}  {'step':>5}  {'patched/stock flat peak':>23}  "
+        f"{'step':>5}")
+  seen = sorted({(r['world_size'], r['layers']) for r in results})
+  for world_size, layers in seen:
+    pf = find(results, 'patched', True, world_size, layers)
+    pu = find(results, 'patched', False, world_size, layers)
+    sf = find(results, 'stock', True, world_size, layers)
+    print(f"{world_size:>3}  {layers:>2}  "
+          f"{pf['peak_bytes'] / pu['peak_bytes']:>23.2f}x  "
+          f"{pf['peak_resident_bytes'] / pu['peak_resident_bytes']:>7.2f}x  "
+          f"{pf['step_seconds'] / pu['step_seconds']:>4.2f}x  "
+          f"{pf['peak_bytes'] / sf['peak_bytes']:>22.2f}x  "
+          f"{pf['step_seconds'] / sf['step_seconds']:>4.2f}x")
+  if any(r['tpu_peak_bytes'] for r in results):
+    print('\nTPU runtime peaks (xm.get_memory_info):')
+    for r in results:
+      print(f"  {label(r['build'], r['flatten']):24}  ws={r['world_size']} "
+            f"L={r['layers']}  {r['tpu_peak_bytes'] / MB:.1f} MB")
+
+
+def print_explanations(results):
+  for r in results:
+    print(f"\n{label(r['build'], r['flatten'])}, world size "
+          f"{r['world_size']}, {r['layers']} layers: resident at the peak "
+          f"{r['peak_resident_bytes'] / MB:.1f} MB")
+    for e in r['explained']:
+      if e['bytes'] < 2**20:
+        continue
+      may_be = ', '.join(
+          e['may_be'][:3]) + (' ...' if len(e['may_be']) > 3 else '')
+      print(f"  {e['bytes'] / MB:7.1f} MB  {e['shape']:16} {e['op']:24} "
+            f"{e['source']:58} {may_be}")
+    small = sum(e['bytes'] for e in r['explained'] if e['bytes'] < 2**20)
+    print(f"  {small / MB:7.1f} MB  in buffers under 1 MiB")
+
+
+def plot(results, path):
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  world_sizes = sorted({r['world_size'] for r in results})
+  fig, axes = plt.subplots(
+      1, len(world_sizes), figsize=(6 * len(world_sizes), 4.5), squeeze=False)
+  for ax, world_size in zip(axes[0], world_sizes):
+    for build, flatten in VARIANTS:
+      rows = sorted((r for r in results
+                     if (r['build'], r['flatten'],
+                         r['world_size']) == (build, flatten, world_size)),
+                    key=lambda r: r['layers'])
+      ax.plot([r['layers'] for r in rows],
+              [r['peak_resident_bytes'] / MB for r in rows],
+              marker='o',
+              linestyle='-' if build == 'patched' else '--',
+              label=label(build, flatten))
+    ax.set_title(f"world size {world_size}"
+                 f"{' (simulated)' if world_size > 1 else ''}")
+    ax.set_xlabel('layers (FSDP units)')
+    ax.set_ylabel('step-graph peak, resident (MB)')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle('FSDP flatten_parameters memory (pytorch/xla#5464)')
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  results = measure_all(args)
+  for r in results:
+    r.pop('resident_at_peak', None)
+    r.pop('live_at_peak', None)
+  print_table(results)
+  if args.explain:
+    print_explanations(results)
+  with open(os.path.join(args.out, 'report.json'), 'w') as f:
+    json.dump(results, f, indent=1)
+  written = [os.path.join(args.out, 'report.json')]
+  if len({r['layers'] for r in results}) > 1:
+    plot(results, os.path.join(args.out, 'peak_vs_layers.png'))
+    written.append(os.path.join(args.out, 'peak_vs_layers.png'))
+  print('\nwrote ' + ', '.join(written))
+
+
+if __name__ == '__main__':
+  try:
+    main()
+  except RuntimeError as e:
+    sys.exit(f'error: {str(e).splitlines()[0]}')
