@@ -1257,7 +1257,10 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._post_backward_hooks_to_call += 1
 
   @torch.no_grad()
-  def _post_backward_hook(self, param: Parameter, *unused: Any) -> None:
+  def _post_backward_hook(self,
+                          param: Parameter,
+                          *unused: Any,
+                          flat_grad: Optional[torch.Tensor] = None) -> None:
     """
     At the start of :func:`_post_backward_hook`, ``param.grad`` contains the
     full gradient for the local batch. The reduce-scatter op will replace
@@ -1276,23 +1279,27 @@ class XlaFullyShardedDataParallel(nn.Module):
     shard of params, also corresponding to the current XLA device's rank. This
     alignment is created by :func:`_shard_parameters_`, which ensures that
     the local optimizer only sees the relevant parameter shard.
+
+    A flat parameter's gradient comes as ``flat_grad`` instead (from
+    :func:`_unflattened_param_post_backward_hook`): in the compute dtype, it
+    cannot be assigned to ``param.grad`` as autograd would.
     """
     # First hook callback will see PRE state. If we have multiple params,
     # then subsequent hook callbacks will see POST state.
     self.assert_state([TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST])
     self.training_state = TrainingState.BACKWARD_POST
     self._post_backward_hooks_to_call -= 1
-    if param.grad is None:
+    grad = param.grad if flat_grad is None else flat_grad
+    if grad is None:
       if self._post_backward_hooks_to_call == 0:
         self.reduce_scatter_op.flush()
       return
 
-    assert param.grad is not None, param.shape
-    if param.grad.requires_grad:
+    assert grad is not None, param.shape
+    if grad.requires_grad:
       raise RuntimeError(
           "FSDP only works with gradients that don't require gradients")
 
-    grad = param.grad
     if self._require_backward_grad_sync or self.reshard_after_forward:
       # Free full params. As a special case, we don't free the full params
       # when in a ``no_sync`` context (as inversely indicated by
@@ -1384,8 +1391,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     this backward, which also serves as its flat gradient: ``param``'s
     gradient is written over ``param``'s region of it, in place, and
     ``param`` is freed. Once all of ``p``'s unflattened params are done, the
-    buffer (padding zeroed) is ``p.grad`` for ``_post_backward_hook``, which
-    reduce-scatters it as for any other parameter.
+    buffer (padding zeroed) is ``p``'s gradient for ``_post_backward_hook``,
+    which reduce-scatters it as for any other parameter.
     """
     self.assert_state([TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST])
     self.training_state = TrainingState.BACKWARD_POST
@@ -1434,9 +1441,11 @@ class XlaFullyShardedDataParallel(nn.Module):
       if flat_param.numel() > numel:  # padding: not a gradient
         self._write_to_flat_param(
             flat_param, flat_param.new_zeros(flat_param.numel() - numel), numel)
-      flat_param.grad = flat_param.clone()  # XLA elides the copy
       flat_param._token_reader = None
-    elif self._require_backward_grad_sync or self.reshard_after_forward:
+      # A copy XLA elides: `flat_param` is freed right after.
+      self._post_backward_hook(flat_param, flat_grad=flat_param.clone())
+      return
+    if self._require_backward_grad_sync or self.reshard_after_forward:
       self._free_full_params(
           [flat_param], apply_opt_barrier=self.optimization_barrier_in_backward)
     self._post_backward_hook(flat_param)
