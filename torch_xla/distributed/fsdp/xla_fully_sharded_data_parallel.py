@@ -1412,10 +1412,6 @@ class XlaFullyShardedDataParallel(nn.Module):
         # Divided piecewise (as `_post_backward_hook` would divide the
         # whole): on the flat buffer, XLA's CPU backend does it out of place.
         flat_grad = flat_grad / self.gradient_predivide_factor
-      if flat_param._token_reader is not None:
-        # `x - 0.0 == x` for every x, signed zeros and NaNs included.
-        flat_grad = flat_grad - flat_param._token_reader
-        flat_param._token_reader = None
       # The buffer can only be updated in place once the backward ops that
       # read `param` (a slice of the buffer) are done; this barrier orders
       # them first. It also keeps XLA from folding the chain of writes into
@@ -1441,7 +1437,6 @@ class XlaFullyShardedDataParallel(nn.Module):
       if flat_param.numel() > numel:  # padding: not a gradient
         self._write_to_flat_param(
             flat_param, flat_param.new_zeros(flat_param.numel() - numel), numel)
-      flat_param._token_reader = None
       # A copy XLA elides: `flat_param` is freed right after.
       self._post_backward_hook(flat_param, flat_grad=flat_param.clone())
       return
@@ -1479,10 +1474,12 @@ class XlaFullyShardedDataParallel(nn.Module):
     # collective is built (in backward, the reduce-scatter of this very
     # buffer), it would keep the gathered data alive and stop backward from
     # writing gradients over it in place. A one-element all-reduce of a zero
-    # reads it now; the first write subtracts its result (exactly zero) from
-    # the gradient it writes, which orders the write after the read.
-    p._token_reader = self.all_reduce_op(
+    # reads it now, and subtracting its result from the buffer's first
+    # element (in place; `x - 0.0 == x` for every x) puts every later use of
+    # the buffer after that read.
+    token_reader = self.all_reduce_op(
         xm.REDUCE_SUM, p_padded.new_zeros(1), groups=self.sharding_groups)
+    p_padded = _dynamic_update_slice(p_padded, p_padded[:1] - token_reader, 0)
     self.optimization_barrier_op([p_padded])
     _swap_data(p, p_padded)
     for t in p._unflattened_params:
@@ -1777,7 +1774,6 @@ class XlaFullyShardedDataParallel(nn.Module):
             torch_xla._XLAC._replace_xla_tensor(p, self._dummy_data_placeholder)
         p._has_full_param = False
         if isinstance(p, FlatParameter):
-          p._token_reader = None
           for t in p._unflattened_params:
             if t._has_full_param:
               _swap_data(t, self._dummy_data_placeholder)
