@@ -801,6 +801,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     """
     p._unflattened_params = []
     p._num_unflattened_grads_awaited = 0
+    p._has_unflattened_grads = False
     owned = {}
     offset = 0
     for (module_name, m, n), size, numel in zip(p._param_infos, p._param_shapes,
@@ -1431,7 +1432,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     if flat_param._num_unflattened_grads_awaited > 0:
       return
 
-    if getattr(flat_param, "_has_unflattened_grads", False):
+    if flat_param._has_unflattened_grads:
       flat_param._has_unflattened_grads = False
       numel = sum(flat_param._param_numels)
       if flat_param.numel() > numel:  # padding: not a gradient
