@@ -806,7 +806,11 @@ class XlaFullyShardedDataParallel(nn.Module):
     offset = 0
     for (module_name, m, n), size, numel in zip(p._param_infos, p._param_shapes,
                                                 p._param_numels):
-      t = p.new_zeros(1).requires_grad_(p.requires_grad)
+      # Made at full size and then freed, as the unflattened full params are
+      # (the full-size value is never computed): functionalization keeps
+      # some of a tensor's size metadata from its creation.
+      t = p.new_empty(size).requires_grad_(p.requires_grad)
+      _swap_data(t, self._dummy_data_placeholder)
       t._flat_param = p
       t._flat_param_offset = offset
       t._orig_size = size
