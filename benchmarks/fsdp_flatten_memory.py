@@ -66,6 +66,8 @@ def measure_all(args):
   configs = [(w, l) for w in args.world_sizes for l in args.layers]
   if args.explain:
     configs = configs[:1]
+  if args.explain:
+    os.environ['XLA_HLO_DEBUG'] = '1'  # source lines in the children's HLO
   results = []
   total = len(configs) * len(VARIANTS)
   start = time.time()
@@ -74,8 +76,6 @@ def measure_all(args):
     what = (f'world size {world_size}{" (simulated)" if world_size > 1 else ""}'
             f', {layers} layers, {label(build, flatten)}')
     print(f'[{i}/{total}] {what} ...', end=' ', flush=True)
-    if args.explain:
-      os.environ['XLA_HLO_DEBUG'] = '1'
     stats = mu.measure_in_subprocess(
         stock=build == 'stock',
         layers=layers,
@@ -192,9 +192,9 @@ def main(argv=None):
   args = parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   results = measure_all(args)
-  for r in results:
-    r.pop('resident_at_peak', None)
-    r.pop('live_at_peak', None)
+  for r in results:  # per-run details (and a deleted dump's path)
+    for key in ('resident_at_peak', 'live_at_peak', 'hlo_path'):
+      r.pop(key, None)
   print_table(results)
   if args.explain:
     print_explanations(results)

@@ -25,6 +25,7 @@ process each since the overlay is chosen at import.
 """
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -249,17 +250,6 @@ class StepGraphStats:
   explained: Optional[List[dict]] = None
   hlo_path: str = ''
 
-  @property
-  def num_outputs(self) -> int:
-    return len(self.output_shapes)
-
-  def live_bytes_by_size(self) -> Dict[int, int]:
-    """How many buffers of each size are live at the peak."""
-    counts: Dict[int, int] = {}
-    for _, size in self.live_at_peak:
-      counts[size] = counts.get(size, 0) + 1
-    return counts
-
 
 _PEAK_RE = re.compile(r'Stack trace breakdown for peak usage: ([\d ]+) bytes')
 _LIVE_RE = re.compile(r'^\s+(\S+?)(?:\{[^}]*\})?: (\d+) bytes')
@@ -380,12 +370,15 @@ def parse_buffer_assignment(text: str) -> Tuple[int, List[Tuple[str, int]]]:
   return peak, live
 
 
+def _count_instructions(prefix: str) -> int:
+  with open(_after_optimizations_path(prefix)) as f:
+    return len(re.findall(r'^\s+(?:ROOT )?%?\S+ = ', f.read(), re.M))
+
+
 def read_module(prefix: str) -> StepGraphStats:
   """Stats of one dumped module, ``prefix`` being ``.../module_NNNN.Name``."""
   with open(prefix + '.before_optimizations.txt') as f:
     before = f.read()
-  with open(_after_optimizations_path(prefix)) as f:
-    after = f.read()
   ba_path = _buffer_assignment_path(prefix)
   with open(ba_path) as f:
     ba_text = f.read()
@@ -400,7 +393,7 @@ def read_module(prefix: str) -> StepGraphStats:
       hlo_path=_after_optimizations_path(prefix),
       live_at_peak=live,
       output_shapes=parse_entry_output_shapes(before),
-      num_instructions=len(re.findall(r'^\s+(?:ROOT )?%?\S+ = ', after, re.M)))
+      num_instructions=_count_instructions(prefix))
 
 
 def _after_optimizations_path(prefix: str) -> str:
@@ -471,7 +464,6 @@ _OP_TYPE_RE = re.compile(r'op_type="([^"]+)"')
 
 @functools.lru_cache(maxsize=None)
 def _functions_of(path: str) -> List[Tuple[int, int, str]]:
-  import ast
   try:
     with open(path) as f:
       tree = ast.parse(f.read())
@@ -597,7 +589,7 @@ def measure_training_step(step_fn: Callable[[], None],
     raise RuntimeError(
         f'no XLA dump appeared in {DUMP_DIR}: import fsdp_memory_utils before '
         'any XLA computation runs (XLA reads XLA_FLAGS once per process)')
-  stats = max((read_module(p) for p in new), key=lambda s: s.num_instructions)
+  stats = read_module(max(new, key=_count_instructions))
   stats.num_all_gathers = counts['all_gather']
   stats.num_reduce_scatters = counts['reduce_scatter']
   steady = times[2:] or times[1:] or times
