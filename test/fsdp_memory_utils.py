@@ -70,7 +70,8 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 import torch_xla.distributed.fsdp.utils as fsdp_utils
 import torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel as fsdp_module
-from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+from torch_xla.distributed.fsdp import (XlaFullyShardedDataParallel as FSDP,
+                                        checkpoint_module)
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 # ---------------------------------------------------------------------------
@@ -600,25 +601,49 @@ def measure_training_step(step_fn: Callable[[], None],
   return stats
 
 
+FEATURES = ('plain', 'checkpoint', 'no_sync', 'eval')
+
+
 def report_model_step_stats(num_layers: int = 2,
                             world_size: int = 1,
                             num_steps: int = 3,
                             batch: int = BATCH,
                             explain: bool = False,
+                            feature: str = 'plain',
                             **fsdp_kwargs) -> StepGraphStats:
   """Step-graph stats of the report's training loop (SGD, batch 64).
 
-  With ``explain``, ``stats.explained`` describes the buffers resident at
-  the peak (see ``explain_buffers``).
+  ``feature``: 'plain'; 'checkpoint' (each Layer unit wraps
+  ``checkpoint_module(Layer)``); 'no_sync' (two half batches, the first
+  under ``model.no_sync()``); 'eval' (the step is an eval-mode forward
+  under ``torch.no_grad()``, its output kept). With ``explain``,
+  ``stats.explained`` describes the buffers resident at the peak (see
+  ``explain_buffers``).
   """
+  if feature not in FEATURES:
+    raise ValueError(f'feature must be one of {FEATURES}, got {feature!r}')
+  if feature == 'checkpoint':
+    fsdp_kwargs['auto_wrapper_callable'] = (
+        lambda m, *args, **kw: FSDP(checkpoint_module(m), *args, **kw))
   with simulated_world_size(world_size) as sim_kwargs:
     model = wrap_report_model(num_layers, **sim_kwargs, **fsdp_kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     device = torch_xla.device()
+    kept = []
 
     def step():
+      x = torch.randn(batch, HIDDEN, device=device)
+      if feature == 'eval':
+        model.eval()
+        with torch.no_grad():
+          kept[:] = [model(x)]
+        return
       optimizer.zero_grad()
-      loss = model(torch.randn(batch, HIDDEN, device=device)).sum()
+      if feature == 'no_sync':
+        with model.no_sync():
+          model(x[:batch // 2]).sum().backward()
+        x = x[batch // 2:]
+      loss = model(x).sum()
       loss.backward()
       optimizer.step()
 
@@ -634,14 +659,16 @@ def measure_in_subprocess(stock: Optional[bool] = None, **kwargs) -> dict:
   """Measure one report-model configuration in a fresh process.
 
   ``kwargs`` are this script's flags (``layers``, ``world_size``,
-  ``flatten``, ``steps``). ``stock=True`` turns the overlay off (stock
+  ``flatten``, ``steps``, ``feature``). ``stock=True`` turns the overlay off (stock
   torch_xla FSDP), ``False`` on; ``None`` keeps this process's setting.
   Returns the JSON this script prints, ``StepGraphStats`` fields plus
   ``fsdp_file``.
   """
   args = [sys.executable, os.path.abspath(__file__)]
   for k, v in kwargs.items():
-    args += [f"--{k.replace('_', '-')}", str(int(v))]
+    args += [
+        f"--{k.replace('_', '-')}", v if isinstance(v, str) else str(int(v))
+    ]
   env = dict(os.environ)
   if stock is not None:
     env['TORCH_XLA_FSDP_OVERLAY'] = '0' if stock else '1'
@@ -672,6 +699,7 @@ def main(argv=None) -> None:
   parser.add_argument('--flatten', type=int, choices=(0, 1), default=1)
   parser.add_argument('--steps', type=int, default=3)
   parser.add_argument('--explain', type=int, choices=(0, 1), default=0)
+  parser.add_argument('--feature', choices=FEATURES, default='plain')
   args = parser.parse_args(argv)
   try:
     stats = report_model_step_stats(
@@ -679,6 +707,7 @@ def main(argv=None) -> None:
         args.world_size,
         args.steps,
         explain=bool(args.explain),
+        feature=args.feature,
         flatten_parameters=bool(args.flatten))
   except ValueError as e:
     sys.exit(f'error: {e}')

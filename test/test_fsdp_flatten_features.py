@@ -16,7 +16,7 @@ import sys
 import tempfile
 import unittest
 
-import fsdp_memory_utils as mu  # noqa: F401  (first: it sets XLA_FLAGS)
+import fsdp_memory_utils as mu  # (first: it sets XLA_FLAGS)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ import torch_xla
 from torch_xla.distributed.fsdp import (XlaFullyShardedDataParallel as FSDP,
                                         checkpoint_module)
 from torch_xla.distributed.fsdp.state_dict_utils import (
-    consolidate_sharded_state_dicts)
+    consolidate_sharded_model_checkpoints, consolidate_sharded_state_dicts)
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from test_fsdp_flatten_parity import Block, Net
@@ -32,10 +32,9 @@ from test_fsdp_flatten_parity import Block, Net
 STEPS = 3
 
 
-def build(feature, flatten_parameters):
+def build(feature, flatten_parameters, **kwargs):
   torch.manual_seed(0)
   net = Net()
-  kwargs = {}
   if feature == 'checkpoint':
     kwargs['auto_wrapper_callable'] = (
         lambda m, *args, **kw: FSDP(checkpoint_module(m), *args, **kw))
@@ -47,9 +46,7 @@ def build(feature, flatten_parameters):
     kwargs['reshard_after_forward'] = False
   elif feature == 'coalesce':
     kwargs.update(
-        coalesce_all_gather_ops=True,
-        pin_layout_in_collective_ops=False,
-        _shard_size_multiple=1)
+        coalesce_all_gather_ops=True, pin_layout_in_collective_ops=False)
   elif feature == 'frozen':
     net.blocks[1].fc1.requires_grad_(False)
   elif feature == 'batchnorm':
@@ -71,10 +68,31 @@ def build(feature, flatten_parameters):
       **kwargs)
 
 
-def train(feature, flatten_parameters, steps=STEPS):
-  model = build(feature, flatten_parameters)
+def to_cpu(state):
+  return {
+      k:
+          to_cpu(v) if isinstance(v, dict) else
+          (v.cpu() if isinstance(v, torch.Tensor) else v)
+      for k, v in state.items()
+  }
+
+
+def train(feature,
+          flatten_parameters,
+          steps=STEPS,
+          save_to=None,
+          resume_from=None,
+          **fsdp_kwargs):
+  """Losses and the consolidated checkpoint (this rank's shards if the world
+  size is simulated); optionally resumes from, or saves, a sharded
+  checkpoint (model, shard metadata and optimizer state)."""
+  model = build(feature, flatten_parameters, **fsdp_kwargs)
   optimizer = torch.optim.SGD(
       [p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+  if resume_from is not None:
+    ckpt = torch.load(resume_from)
+    model.load_state_dict(ckpt['model'])
+    optimizer.load_state_dict(ckpt['optimizer'])
   device = torch_xla.device()
   generator = torch.Generator().manual_seed(1)
   x = torch.randn(32, 100, generator=generator).to(device)
@@ -102,6 +120,15 @@ def train(feature, flatten_parameters, steps=STEPS):
     torch_xla.sync()
     losses.append(loss.item())
   state_dict = {k: v.cpu() for k, v in model.state_dict().items()}
+  if save_to is not None:
+    torch.save(
+        {
+            'model': state_dict,
+            'shard_metadata': model.get_shard_metadata(),
+            'optimizer': to_cpu(optimizer.state_dict()),
+        }, save_to)
+  if model.world_size > 1:
+    return {'losses': losses, 'checkpoint': state_dict}
   return {
       'losses':
           losses,
@@ -109,6 +136,16 @@ def train(feature, flatten_parameters, steps=STEPS):
           consolidate_sharded_state_dicts([state_dict],
                                           model.get_shard_metadata()),
   }
+
+
+def train_simulated(feature):
+  """``train('plain', True)`` as rank R of W simulated ranks, for a feature
+  named 'simulated_W_R'. The values exchanged are not a real run's (see
+  ``fsdp_memory_utils.simulated_world_size``) but depend only on the shard
+  layout, which flatten_parameters=True shares with stock."""
+  world_size, rank = map(int, feature.split('_')[1:])
+  with mu.simulated_world_size(world_size, rank) as sim_kwargs:
+    return train('plain', True, **sim_kwargs)
 
 
 def train_stock(feature):
@@ -124,7 +161,7 @@ def train_stock(feature):
     return torch.load(path)
 
 
-class TestFlattenFeatures(unittest.TestCase):
+class SameTrainingMixin:
 
   def assert_same(self, a, b, rtol=0.0):
     torch.testing.assert_close(a['losses'], b['losses'], rtol=rtol, atol=0)
@@ -137,9 +174,12 @@ class TestFlattenFeatures(unittest.TestCase):
           atol=rtol * 1e-1,
           msg=lambda m: f'{name}: {m}')
 
+
+class TestFlattenFeatures(SameTrainingMixin, unittest.TestCase):
+
   def test_same_as_unflattened(self):
     for feature in ('checkpoint', 'no_sync', 'no_reshard', 'two_forwards',
-                    'eval_first', 'frozen', 'tied'):
+                    'eval_first', 'frozen', 'tied', 'coalesce'):
       with self.subTest(feature=feature):
         self.assert_same(train(feature, True), train(feature, False))
 
@@ -149,9 +189,18 @@ class TestFlattenFeatures(unittest.TestCase):
     self.assert_same(
         train('batchnorm', True), train('batchnorm', False), rtol=1e-6)
 
-  def test_coalesced_all_gather_same_as_plain(self):
-    # (stock flatten_parameters=False cannot coalesce unless sharding on dim 0)
-    self.assert_same(train('coalesce', True), train('plain', True))
+  def test_coalesced_all_gathers(self):
+    # Stock gathered nothing (and crashed on an empty list) unless
+    # _shard_size_multiple=1, and could not shard on anything but dim 0.
+    self.assert_same(train('coalesce', False), train('plain', False))
+    model = mu.wrap_report_model(  # its root unit has no parameters
+        2,
+        hidden=256,
+        flatten_parameters=True,
+        coalesce_all_gather_ops=True,
+        pin_layout_in_collective_ops=False)
+    model(torch.randn(4, 256, device=torch_xla.device())).sum().backward()
+    torch_xla.sync()
 
   @unittest.skipUnless(
       any(type(f).__name__ == 'FsdpOverlayFinder' for f in sys.meta_path),
@@ -160,6 +209,18 @@ class TestFlattenFeatures(unittest.TestCase):
     for feature in ('bf16', 'bf16_fp32_reduce_scatter'):
       with self.subTest(feature=feature):
         self.assert_same(train(feature, True), train_stock(feature))
+
+  @unittest.skipUnless(
+      any(type(f).__name__ == 'FsdpOverlayFinder' for f in sys.meta_path),
+      'needs this change installed as an overlay over a stock torch_xla')
+  def test_simulated_world_sizes_same_as_stock_flattened(self):
+    # No unit's parameter count (60400, 1010) is a multiple of world size x
+    # 128: every flat parameter is padded, on the last rank.
+    for world_size in (2, 8):
+      for rank in (0, world_size - 1):
+        feature = f'simulated_{world_size}_{rank}'
+        with self.subTest(feature=feature):
+          self.assert_same(train_simulated(feature), train_stock(feature))
 
   def test_eval_and_no_grad_forwards_free(self):
     model = build('plain', True)
@@ -176,10 +237,115 @@ class TestFlattenFeatures(unittest.TestCase):
             self.assertEqual(tuple(m.weight.shape), (1,))
 
 
+class TestCheckpointRoundTrip(SameTrainingMixin, unittest.TestCase):
+
+  def test_resume_same_as_never_stopping(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      consolidated = {}
+      for flatten in (True, False):
+        with self.subTest(flatten=flatten):
+          prefix = os.path.join(tmp, f'flatten{int(flatten)}')
+          first = train(
+              'plain', flatten, steps=2, save_to=prefix + '_rank0.pth')
+          resumed = train(
+              'plain', flatten, steps=2, resume_from=prefix + '_rank0.pth')
+          whole = train('plain', flatten, steps=4)
+          resumed['losses'] = first['losses'] + resumed['losses']
+          self.assert_same(resumed, whole)
+          consolidated[flatten], _ = consolidate_sharded_model_checkpoints(
+              prefix, '_rank*.pth', save_model=False)
+      # whatever the layout of the shards, the same model
+      self.assert_same({
+          'losses': [],
+          'checkpoint': consolidated[True]
+      }, {
+          'losses': [],
+          'checkpoint': consolidated[False]
+      })
+
+
+class TestBadInput(unittest.TestCase):
+  """Clear errors, raised before the module is changed in any way."""
+
+  def assert_rejected(self, net, error, message, **kwargs):
+    params = [(n, p, p.dtype) for n, p in net.named_parameters()]
+    modules = list(net.named_modules())
+    forwards = [m.forward for _, m in modules]
+    policy = functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    with self.assertRaisesRegex(error, message):
+      FSDP(net, auto_wrap_policy=policy, **kwargs)
+    self.assertEqual([(n, p, p.dtype) for n, p in net.named_parameters()],
+                     params)
+    self.assertEqual(list(net.named_modules()), modules)
+    self.assertEqual([m.forward for _, m in modules], forwards)
+    self.assertFalse(any(hasattr(p, '_fsdp_unit_owned') for _, p, _ in params))
+
+  def test_not_float32(self):
+    for flatten in (False, True):
+      with self.subTest(flatten=flatten):
+        net = Net().to(torch.bfloat16)
+        self.assert_rejected(
+            net,
+            TypeError,
+            r"float32 .* 'blocks\.0\.fc1\.weight' is torch\.bfloat16",
+            flatten_parameters=flatten)
+
+  def test_mixed_dtypes_in_one_flat_parameter(self):
+    net = Net()
+    net.blocks[1].fc2.bias.data = net.blocks[1].fc2.bias.data.half()
+    self.assert_rejected(
+        net,
+        TypeError,
+        r"'blocks\.1\.fc2\.bias' is torch\.float16 \(a flat parameter",
+        flatten_parameters=True)
+
+  def test_shared_across_units(self):
+    for flatten in (False, True):
+      with self.subTest(flatten=flatten):
+        net = Net()
+        net.blocks[1].head = net.head  # a module in two units
+        self.assert_rejected(
+            net,
+            ValueError,
+            r"'blocks\.1\.head\.weight' is also used as 'head\.weight', "
+            r"in another FSDP unit \('blocks\.1' and '<root>'\)",
+            flatten_parameters=flatten)
+
+  def test_shared_with_inner_unit(self):
+    for flatten in (False, True):
+      with self.subTest(flatten=flatten):
+        net = Net()
+        net.head.weight = net.blocks[0].fc2.weight
+        net.blocks[0] = FSDP(net.blocks[0], flatten_parameters=flatten)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"'head\.weight' is already sharded by an inner FSDP unit"):
+          FSDP(net, flatten_parameters=flatten)
+
+  def test_coalesce_with_pinned_layout(self):
+    self.assert_rejected(
+        Net(),
+        ValueError,
+        'coalesce_all_gather_ops=True needs pin_layout_in_collective_ops=False',
+        coalesce_all_gather_ops=True)
+
+  def test_shard_param_on_dim_0_with_flatten(self):
+    self.assert_rejected(
+        Net(),
+        ValueError,
+        'shard_param_on_dim_0=True .* flatten_parameters=True',
+        flatten_parameters=True,
+        shard_param_on_dim_0=True)
+
+
 if __name__ == '__main__':
   if '--save' in sys.argv:
     i = sys.argv.index('--save')
-    torch.save(train(sys.argv[i + 1], True), sys.argv[i + 2])
+    feature = sys.argv[i + 1]
+    torch.save(
+        train_simulated(feature) if feature.startswith('simulated_') else train(
+            feature, True), sys.argv[i + 2])
     sys.exit(0)
   test = unittest.main(exit=False)
   sys.exit(0 if test.result.wasSuccessful() else 1)

@@ -77,6 +77,61 @@ class TestFlattenStepGraph(unittest.TestCase):
               unflat['tpu_peak_bytes'] + padded_unit_bytes(world_size))
 
 
+class TestFeatureStepGraphs(unittest.TestCase):
+  """Activation checkpointing, no_sync and eval forwards, 2 layers."""
+
+  FEATURES = ('checkpoint', 'no_sync', 'eval')
+  WORLD_SIZES = (1, 8)
+
+  @classmethod
+  def setUpClass(cls):
+    cls.stats = {}
+    for feature in cls.FEATURES:
+      for world_size in cls.WORLD_SIZES:
+        for flatten in (0, 1):
+          cls.stats[(feature, world_size, flatten)] = mu.measure_in_subprocess(
+              feature=feature, world_size=world_size, flatten=flatten)
+
+  def configs(self):
+    return [(feature, world_size, self.stats[(feature, world_size, 1)],
+             self.stats[(feature, world_size, 0)])
+            for feature in self.FEATURES
+            for world_size in self.WORLD_SIZES]
+
+  def test_outputs(self):
+    for feature, world_size, flat, _ in self.configs():
+      shard = f'f32[{padded_unit_bytes(world_size) // 4 // world_size}]'
+      # the updated shards and their gradients; in eval, the shards (the
+      # gathers read them) and the output the step keeps
+      expected = {shard: 4}
+      if feature == 'eval':
+        expected = {shard: 2, f'f32[{mu.BATCH},{mu.HIDDEN}]': 1}
+      with self.subTest(feature=feature, world_size=world_size):
+        self.assertEqual(collections.Counter(flat['output_shapes']), expected)
+
+  def test_gathers_each_unit_as_often_as_unflattened(self):
+    # e.g. the recompute of a checkpointed unit in backward gathers it once
+    params_per_unit = 8
+    for feature, world_size, flat, unflat in self.configs():
+      with self.subTest(feature=feature, world_size=world_size):
+        for op in ('num_all_gathers', 'num_reduce_scatters'):
+          self.assertEqual(flat[op] * params_per_unit, unflat[op])
+
+  def test_at_most_one_unit_over_unflattened(self):
+    # As in TestFlattenStepGraph, plus one parameter and 1 MiB of
+    # activations: with no_sync, the accumulated gradients are live while
+    # XLA's CPU backend copies a weight out of the flat buffer for a matmul.
+    param_bytes = mu.HIDDEN * mu.HIDDEN * 4
+    for feature, world_size, flat, unflat in self.configs():
+      bound = padded_unit_bytes(world_size) + param_bytes + 2**20
+      with self.subTest(feature=feature, world_size=world_size):
+        self.assertLessEqual(flat['peak_resident_bytes'],
+                             unflat['peak_resident_bytes'] + bound)
+        if flat['tpu_peak_bytes'] is not None:
+          self.assertLessEqual(flat['tpu_peak_bytes'],
+                               unflat['tpu_peak_bytes'] + bound)
+
+
 class TestReshardAfterForwardFrees(unittest.TestCase):
 
   def setUp(self):

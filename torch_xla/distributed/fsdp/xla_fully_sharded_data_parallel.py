@@ -347,6 +347,17 @@ class XlaFullyShardedDataParallel(nn.Module):
           "and do not perform the forward pass in other ways apart from the `forward` method. "
           "(i.e. you should directly call the FSDP-wrapped module itself in your code, "
           "instead of using any of its submodules or its weights).")
+    # Before anything is wrapped, flattened or sharded, so that a bad module
+    # is left as it was.
+    if flatten_parameters and shard_param_on_dim_0:
+      raise ValueError(
+          "shard_param_on_dim_0=True shards each parameter along its dim 0, "
+          "which flatten_parameters=True does not keep: pass only one of them.")
+    if coalesce_all_gather_ops and pin_layout_in_collective_ops:
+      raise ValueError(
+          "coalesce_all_gather_ops=True needs pin_layout_in_collective_ops="
+          "False: xm.all_gather does not pin the layout of a list of tensors.")
+    _check_params_supported(module, auto_wrap_policy, flatten_parameters)
 
     super().__init__()
 
@@ -376,6 +387,7 @@ class XlaFullyShardedDataParallel(nn.Module):
           sharding_world_size=sharding_world_size,
           shard_param_on_dim_0=shard_param_on_dim_0,
           pin_layout_in_collective_ops=pin_layout_in_collective_ops,
+          coalesce_all_gather_ops=coalesce_all_gather_ops,
           # `auto_wrap_policy` doesn't need to be specified in auto-wrapping
           # `auto_wrapper_callable`` doesn't need to be specified in auto-wrapping
           param_init_fn=param_init_fn,
@@ -506,6 +518,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     for param in module.parameters():
       if not hasattr(param, "_is_sharded"):
         params.append(param)
+        param._fsdp_unit_owned = True  # for `_check_params_supported`
 
     # For now, it is either all flatten or none flatten.
     if self.flatten_parameters:
@@ -1708,8 +1721,12 @@ class XlaFullyShardedDataParallel(nn.Module):
           # reshape sharded parameters to 2d tensors for efficient gathering on
           # TPUs (see https://github.com/pytorch/xla/issues/3510 for details).
           p_shard_2d = p_shard_data.view(-1, self._shard_size_multiple)
-          p_padded = self.all_gather_op(
-              p_shard_2d, groups=self.sharding_groups).flatten()
+          if self.coalesce_all_gather_ops:
+            p_to_rebuild.append((p, p_shard))
+            shards_to_all_gather.append(p_shard_2d)
+          else:
+            p_padded = self.all_gather_op(
+                p_shard_2d, groups=self.sharding_groups).flatten()
         if not self.coalesce_all_gather_ops:
           if apply_opt_barrier:
             self.optimization_barrier_op([p_padded])
@@ -1734,16 +1751,22 @@ class XlaFullyShardedDataParallel(nn.Module):
                         p_shard._orig_size))
         p._has_full_param = True
 
-    if self.coalesce_all_gather_ops:
+    # (an all-gather of an empty list crashes torch_xla)
+    if self.coalesce_all_gather_ops and shards_to_all_gather:
       p_padded_list = self.all_gather_op(
           shards_to_all_gather, groups=self.sharding_groups)
       if apply_opt_barrier:
         self.optimization_barrier_op(p_padded_list)
       for (p, p_shard), p_padded in zip(p_to_rebuild, p_padded_list):
         if isinstance(p, FlatParameter):
-          self._use_padded_unsharded_flat_param(p, p_padded)
-        else:
+          self._use_padded_unsharded_flat_param(p, p_padded.flatten())
+        elif self._shard_param_on_dim_0:
           p.data = p_padded[:p_shard._orig_size[0]]
+        else:
+          _swap_data(
+              p,
+              p_padded.flatten()[:p_shard._orig_size.numel()].view(
+                  p_shard._orig_size))
 
     self.has_full_params = True
 
@@ -1944,6 +1967,74 @@ class XlaFullyShardedDataParallel(nn.Module):
             "if using an `auto_wrap_policy`")
 
     recursive_wrap(**auto_wrap_kwargs, **fsdp_kwargs)
+
+
+def _check_params_supported(module: nn.Module,
+                            auto_wrap_policy: Optional[Callable],
+                            flatten_parameters: bool) -> None:
+  """
+  Raise a clear error, naming the parameter, for what FSDP cannot shard:
+  a parameter that is not float32 (one flat parameter holds one dtype), or
+  one that is shared between two FSDP units, including units that
+  ``auto_wrap_policy`` would create and units already made (each unit would
+  shard its own copy, silently untying them).
+  """
+  units = {
+      m for m in module.modules() if isinstance(m, XlaFullyShardedDataParallel)
+  }
+  if auto_wrap_policy is not None and not units:  # (else `_auto_wrap` raises)
+    would_wrap = []
+
+    def record(m, **unused):
+      would_wrap.append(m)
+      return m
+
+    # as `_auto_wrap` would, wrapping nothing (children are set to themselves)
+    recursive_wrap(
+        module,
+        auto_wrap_policy=auto_wrap_policy,
+        wrapper_cls=record,
+        ignored_modules=[],
+        ignored_params=[],
+        only_wrap_children=True)
+    units.update(would_wrap)
+
+  first_use = {}
+
+  def visit(m: nn.Module, prefix: str, unit: str) -> None:
+    if m is not module and m in units:
+      if isinstance(m, XlaFullyShardedDataParallel):
+        return  # its parameters are sharded already
+      unit = prefix[:-1]
+    for n, p in m._parameters.items():
+      if p is None or hasattr(p, "_is_sharded"):
+        continue
+      name = prefix + n
+      if p.dtype != torch.float32:
+        flat = " (a flat parameter has one dtype)" if flatten_parameters else ""
+        raise TypeError(
+            f"FSDP only supports float32 parameters, but parameter '{name}' "
+            f"is {p.dtype}{flat}. Keep parameters in float32 (e.g. "
+            "module.float()); for lower-precision compute, pass "
+            "compute_dtype=torch.bfloat16 (or torch.float16).")
+      if hasattr(p, "_fsdp_unit_owned"):
+        raise ValueError(
+            f"Parameter '{name}' is already sharded by an inner FSDP unit, "
+            "which would leave this use of it as an untied copy. Wrap the "
+            "modules that share a parameter in one FSDP unit.")
+      other_name, other_unit = first_use.setdefault(p, (name, unit))
+      if other_unit != unit:
+        raise ValueError(
+            f"Parameter '{other_name}' is also used as '{name}', in another "
+            f"FSDP unit ('{other_unit or '<root>'}' and '{unit or '<root>'}'),"
+            " and each unit would shard its own copy of it. Wrap the modules "
+            "that share a parameter in one FSDP unit (e.g. leave them out of "
+            "auto_wrap_policy).")
+    for n, child in m._modules.items():
+      if child is not None:
+        visit(child, f"{prefix}{n}.", unit)
+
+  visit(module, "", "")
 
 
 _DUS_COMPUTATIONS = {}
