@@ -26,6 +26,7 @@ process each since the overlay is chosen at import.
 
 import argparse
 import ast
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -52,6 +53,8 @@ def _ensure_xla_flags() -> str:
     path = m.group(1)
   else:
     path = tempfile.mkdtemp(prefix='fsdp_xla_dump_')
+    # every graph of the process is dumped: hundreds of MB for a test file
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     flags += ' ' + _DUMP_FLAG + path
   if (os.environ.get('PJRT_DEVICE', '').upper() == 'CPU' and
       '--xla_disable_hlo_passes' not in flags):
