@@ -30,6 +30,7 @@ from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from test_fsdp_flatten_parity import Block, Net
 
 STEPS = 3
+OVERLAY = any(type(f).__name__ == 'FsdpOverlayFinder' for f in sys.meta_path)
 
 
 def build(feature, flatten_parameters, **kwargs):
@@ -61,6 +62,11 @@ def build(feature, flatten_parameters, **kwargs):
       block.fc3 = block.fc1
   policy = functools.partial(
       transformer_auto_wrap_policy, transformer_layer_cls={Block})
+  if feature == 'manual_nesting':
+    policy = None
+    for i, block in enumerate(net.blocks):
+      net.blocks[i] = FSDP(
+          block, flatten_parameters=flatten_parameters, **kwargs)
   return FSDP(
       net,
       auto_wrap_policy=policy,
@@ -138,14 +144,97 @@ def train(feature,
   }
 
 
-def train_simulated(feature):
-  """``train('plain', True)`` as rank R of W simulated ranks, for a feature
-  named 'simulated_W_R'. The values exchanged are not a real run's (see
-  ``fsdp_memory_utils.simulated_world_size``) but depend only on the shard
-  layout, which flatten_parameters=True shares with stock."""
-  world_size, rank = map(int, feature.split('_')[1:])
-  with mu.simulated_world_size(world_size, rank) as sim_kwargs:
-    return train('plain', True, **sim_kwargs)
+class SameBatchRanks:
+  """The collectives of ``world_size`` ranks that all train on the same batch,
+  each rank a model of its own on this one device, traced into one graph.
+
+  With the same batch and the same initial parameters every rank computes
+  the same full gradients, so a real run's collectives are known: an
+  all-gather concatenates the ranks' current shards of the parameter, and a
+  reduce-scatter sums ``world_size`` equal gradients. Unlike
+  ``fsdp_memory_utils.simulated_world_size`` (one rank, its own shard
+  repeated: right for memory, not for values), this trains like a real run,
+  so it must match world size 1 and flatten_parameters=False, with padding
+  on the last rank and the consolidation of all ranks' shards.
+  """
+
+  @classmethod
+  def connect(cls, models):
+    units = [
+        [m for m in model.modules() if isinstance(m, FSDP)] for model in models
+    ]
+    for rank, rank_units in enumerate(units):
+      for i, unit in enumerate(rank_units):
+        ranks_of_unit = [u[i] for u in units]
+        unit.all_gather_op = functools.partial(cls.all_gather, unit,
+                                               ranks_of_unit)
+        unit.all_reduce_op = functools.partial(cls.all_reduce, len(models))
+        unit.reduce_scatter_op = cls.ReduceScatter(len(models), rank)
+
+  @staticmethod
+  def all_gather(unit, ranks_of_unit, shard, groups=None):
+    # the shard itself, or its 2-D view (`_shard_size_multiple`)
+    base = shard if shard._base is None else shard._base
+    i = next(i for i, p in enumerate(unit.sharded_params) if p is base)
+    return torch.cat(
+        [u.sharded_params[i].view(shard.shape) for u in ranks_of_unit])
+
+  @staticmethod
+  def all_reduce(world_size, reduce_type, inputs, scale=1.0, groups=None):
+    assert reduce_type == 'sum'  # (FSDP's token reader; no clip_grad_norm_)
+    return inputs * (world_size * scale)
+
+  class ReduceScatter:
+
+    def __init__(self, world_size, rank):
+      self.world_size, self.rank, self.scale = world_size, rank, 1.0
+
+    def __call__(self, input, callback):
+      chunk = input.chunk(self.world_size)[self.rank]
+      callback(chunk * (self.world_size * self.scale))
+
+    def flush(self):
+      pass
+
+
+def train_same_batch_ranks(world_size, flatten_parameters, steps=STEPS):
+  """``train('plain', flatten_parameters)`` by ``world_size`` ranks (see
+  ``SameBatchRanks``): rank 0's losses and the consolidated checkpoint."""
+  models = []
+  for rank in range(world_size):
+    with mu.simulated_world_size(world_size, rank, faithful=False) as kwargs:
+      models.append(build('plain', flatten_parameters, **kwargs))
+  SameBatchRanks.connect(models)
+  optimizers = [
+      torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+      for model in models
+  ]
+  device = torch_xla.device()
+  generator = torch.Generator().manual_seed(1)
+  x = torch.randn(32, 100, generator=generator).to(device)
+  y = torch.randint(0, 10, (32,), generator=generator).to(device)
+  losses = []
+  for _ in range(steps):
+    # every rank's backward before any optimizer step: the all-gathers read
+    # the other ranks' shards of this step
+    rank_losses = []
+    for model, optimizer in zip(models, optimizers):
+      optimizer.zero_grad()
+      rank_losses.append(F.cross_entropy(model(x), y))
+      rank_losses[-1].backward()
+    for optimizer in optimizers:
+      optimizer.step()
+    torch_xla.sync()
+    losses.append([loss.item() for loss in rank_losses])
+  state_dicts = [{k: v.cpu() for k, v in m.state_dict().items()} for m in models]
+  return {
+      'losses': [rank_losses[0] for rank_losses in losses],
+      'rank_losses':
+          losses,
+      'checkpoint':
+          consolidate_sharded_state_dicts(state_dicts,
+                                          models[0].get_shard_metadata()),
+  }
 
 
 def train_stock(feature):
@@ -179,7 +268,8 @@ class TestFlattenFeatures(SameTrainingMixin, unittest.TestCase):
 
   def test_same_as_unflattened(self):
     for feature in ('checkpoint', 'no_sync', 'no_reshard', 'two_forwards',
-                    'eval_first', 'frozen', 'tied', 'coalesce'):
+                    'eval_first', 'frozen', 'tied', 'coalesce',
+                    'manual_nesting'):
       with self.subTest(feature=feature):
         self.assert_same(train(feature, True), train(feature, False))
 
@@ -203,24 +293,25 @@ class TestFlattenFeatures(SameTrainingMixin, unittest.TestCase):
     torch_xla.sync()
 
   @unittest.skipUnless(
-      any(type(f).__name__ == 'FsdpOverlayFinder' for f in sys.meta_path),
+      OVERLAY,
       'needs this change installed as an overlay over a stock torch_xla')
   def test_bfloat16_same_as_stock_flattened(self):
     for feature in ('bf16', 'bf16_fp32_reduce_scatter'):
       with self.subTest(feature=feature):
         self.assert_same(train(feature, True), train_stock(feature))
 
-  @unittest.skipUnless(
-      any(type(f).__name__ == 'FsdpOverlayFinder' for f in sys.meta_path),
-      'needs this change installed as an overlay over a stock torch_xla')
-  def test_simulated_world_sizes_same_as_stock_flattened(self):
+  def test_world_sizes_2_and_8(self):
     # No unit's parameter count (60400, 1010) is a multiple of world size x
     # 128: every flat parameter is padded, on the last rank.
     for world_size in (2, 8):
-      for rank in (0, world_size - 1):
-        feature = f'simulated_{world_size}_{rank}'
-        with self.subTest(feature=feature):
-          self.assert_same(train_simulated(feature), train_stock(feature))
+      with self.subTest(world_size=world_size):
+        flat = train_same_batch_ranks(world_size, True)
+        for rank_losses in flat['rank_losses']:
+          self.assertEqual(set(rank_losses), {rank_losses[0]})
+        self.assert_same(flat, train_same_batch_ranks(world_size, False))
+        self.assert_same(flat, train('plain', False))  # world size 1
+        if OVERLAY:
+          self.assert_same(flat, train_stock(f'ranks_{world_size}'))
 
   def test_eval_and_no_grad_forwards_free(self):
     model = build('plain', True)
@@ -343,9 +434,11 @@ if __name__ == '__main__':
   if '--save' in sys.argv:
     i = sys.argv.index('--save')
     feature = sys.argv[i + 1]
-    torch.save(
-        train_simulated(feature) if feature.startswith('simulated_') else train(
-            feature, True), sys.argv[i + 2])
+    if feature.startswith('ranks_'):
+      result = train_same_batch_ranks(int(feature[len('ranks_'):]), True)
+    else:
+      result = train(feature, True)
+    torch.save(result, sys.argv[i + 2])
     sys.exit(0)
   test = unittest.main(exit=False)
   sys.exit(0 if test.result.wasSuccessful() else 1)
