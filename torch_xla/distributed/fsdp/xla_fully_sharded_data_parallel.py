@@ -9,6 +9,7 @@ import functools
 import gc
 from itertools import chain
 import logging
+import math
 from math import inf
 import time
 import traceback
@@ -1335,7 +1336,7 @@ class XlaFullyShardedDataParallel(nn.Module):
       return
 
     if self.gradient_predivide_factor > 1 and not isinstance(
-        param, FlatParameter):  # (its pieces were divided when written)
+        param, FlatParameter):  # (see `_predivide_after_reduce_scatter`)
       # Average grad by world_size for consistency with PyTorch DDP.
       grad.div_(self.gradient_predivide_factor)
 
@@ -1354,9 +1355,13 @@ class XlaFullyShardedDataParallel(nn.Module):
         reduced_grad = reduced_grad.to(torch.float32)
       if self.optimization_barrier_in_backward:
         self.optimization_barrier_op([reduced_grad])
-      if self.gradient_postdivide_factor > 1:
+      postdivide_factor = self.gradient_postdivide_factor
+      if isinstance(param, FlatParameter):
+        if self._predivide_after_reduce_scatter():
+          postdivide_factor *= self.gradient_predivide_factor
+      if postdivide_factor > 1:
         # Average grad by world_size for consistency with PyTorch DDP.
-        reduced_grad.div_(self.gradient_postdivide_factor)
+        reduced_grad.div_(postdivide_factor)
 
       grad._has_full_param = True
       grad_flat._has_full_param = True
@@ -1426,9 +1431,12 @@ class XlaFullyShardedDataParallel(nn.Module):
       flat_grad = (
           flat_param.new_zeros(param._orig_size.numel())
           if grad is None else grad.reshape(-1))
-      if self.gradient_predivide_factor > 1:
+      if (self.gradient_predivide_factor > 1 and
+          not self._predivide_after_reduce_scatter()):
         # Divided piecewise (as `_post_backward_hook` would divide the
         # whole): on the flat buffer, XLA's CPU backend does it out of place.
+        # Only in the rare cases where `_predivide_after_reduce_scatter`
+        # cannot save that copy.
         flat_grad = flat_grad / self.gradient_predivide_factor
       # The buffer can only be updated in place once the backward ops that
       # read `param` (a slice of the buffer) are done; this barrier orders
@@ -1462,6 +1470,20 @@ class XlaFullyShardedDataParallel(nn.Module):
       self._free_full_params(
           [flat_param], apply_opt_barrier=self.optimization_barrier_in_backward)
     self._post_backward_hook(flat_param)
+
+  def _predivide_after_reduce_scatter(self) -> bool:
+    """
+    Whether a flat gradient's pre-division is left to the division after the
+    reduce-scatter (the result is the same), rather than applied to each
+    gradient written into the flat buffer, which takes a divided copy of it.
+    The same unless a float16 sum could overflow, or the factor is not a
+    power of two (then dividing before or after rounds differently).
+    """
+    factor = self.gradient_predivide_factor
+    reduced_in_float16 = (
+        self.compute_dtype == torch.float16 and not self.fp32_reduce_scatter)
+    return (factor > 1 and math.frexp(factor)[0] == 0.5 and
+            not reduced_in_float16)
 
   def _finalize_unflattened_params(self, p: FlatParameter) -> None:
     """
