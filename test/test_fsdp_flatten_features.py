@@ -64,11 +64,13 @@ def build(feature, flatten_parameters, **kwargs):
       block.fc3 = block.fc1
   policy = functools.partial(
       transformer_auto_wrap_policy, transformer_layer_cls={Block})
-  if feature == 'manual_nesting':
+  if feature in ('manual_nesting', 'reused_unit'):
     policy = None
     for i, block in enumerate(net.blocks):
       net.blocks[i] = FSDP(
           block, flatten_parameters=flatten_parameters, **kwargs)
+    if feature == 'reused_unit':  # one unit, twice in each forward
+      net.blocks.append(net.blocks[0])
   return FSDP(
       net,
       auto_wrap_policy=policy,
@@ -281,7 +283,7 @@ class TestFlattenFeatures(SameTrainingMixin, unittest.TestCase):
   def test_same_as_unflattened(self):
     for feature in ('checkpoint', 'no_sync', 'no_reshard', 'two_forwards',
                     'eval_first', 'frozen', 'tied', 'coalesce',
-                    'manual_nesting'):
+                    'manual_nesting', 'reused_unit'):
       with self.subTest(feature=feature):
         self.assert_same(train(feature, True), train(feature, False))
 
@@ -425,6 +427,13 @@ class TestBadInput(unittest.TestCase):
             r"'blocks\.1\.head\.weight' is also used as 'head\.weight', "
             r"in another FSDP unit \('blocks\.1' and '<root>'\)",
             flatten_parameters=flatten)
+
+  def test_module_auto_wrapped_twice(self):
+    net = Net()
+    net.blocks.append(net.blocks[0])
+    self.assert_rejected(
+        net, ValueError, r"Module 'blocks\.3' is also module 'blocks\.0', "
+        'which auto_wrap_policy wraps')
 
   def test_shared_with_inner_unit(self):
     for flatten in (False, True):

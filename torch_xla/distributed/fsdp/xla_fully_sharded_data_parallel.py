@@ -2022,12 +2022,19 @@ def _check_params_supported(module: nn.Module,
     units.update(would_wrap)
 
   first_use = {}
+  first_path = {}
 
-  def visit(m: nn.Module, prefix: str, unit: str) -> None:
+  def visit(m: nn.Module, prefix: str, unit: Tuple[nn.Module, str]) -> None:
     if m is not module and m in units:
       if isinstance(m, XlaFullyShardedDataParallel):
         return  # its parameters are sharded already
-      unit = prefix[:-1]
+      other_path = first_path.setdefault(m, prefix[:-1])
+      if other_path != prefix[:-1]:
+        raise ValueError(
+            f"Module '{prefix[:-1]}' is also module '{other_path}', which "
+            "auto_wrap_policy wraps: it would be wrapped twice. Wrap it by "
+            "hand before wrapping the model, without auto_wrap_policy.")
+      unit = (m, prefix[:-1])
     for n, p in m._parameters.items():
       if p is None or hasattr(p, "_is_sharded"):
         continue
@@ -2045,10 +2052,10 @@ def _check_params_supported(module: nn.Module,
             "which would leave this use of it as an untied copy. Wrap the "
             "modules that share a parameter in one FSDP unit.")
       other_name, other_unit = first_use.setdefault(p, (name, unit))
-      if other_unit != unit:
+      if other_unit[0] is not unit[0]:
         raise ValueError(
             f"Parameter '{other_name}' is also used as '{name}', in another "
-            f"FSDP unit ('{other_unit or '<root>'}' and '{unit or '<root>'}'),"
+            f"FSDP unit ('{other_unit[1]}' and '{unit[1]}'),"
             " and each unit would shard its own copy of it. Wrap the modules "
             "that share a parameter in one FSDP unit (e.g. leave them out of "
             "auto_wrap_policy).")
@@ -2056,7 +2063,7 @@ def _check_params_supported(module: nn.Module,
       if child is not None:
         visit(child, f"{prefix}{n}.", unit)
 
-  visit(module, "", "")
+  visit(module, "", (module, "<root>"))
 
 
 _DUS_COMPUTATIONS = {}
