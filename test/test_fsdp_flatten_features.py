@@ -78,6 +78,14 @@ def build(feature, flatten_parameters, **kwargs):
       **kwargs)
 
 
+def make_batch():
+  """The batch every run trains on, at every step and on every rank."""
+  device = torch_xla.device()
+  generator = torch.Generator().manual_seed(1)
+  return (torch.randn(32, 100, generator=generator).to(device),
+          torch.randint(0, 10, (32,), generator=generator).to(device))
+
+
 def to_cpu(state):
   return {
       k:
@@ -103,10 +111,7 @@ def train(feature,
     ckpt = torch.load(resume_from)
     model.load_state_dict(ckpt['model'])
     optimizer.load_state_dict(ckpt['optimizer'])
-  device = torch_xla.device()
-  generator = torch.Generator().manual_seed(1)
-  x = torch.randn(32, 100, generator=generator).to(device)
-  y = torch.randint(0, 10, (32,), generator=generator).to(device)
+  x, y = make_batch()
   losses = []
   for _ in range(steps):
     optimizer.zero_grad()
@@ -223,10 +228,7 @@ def train_same_batch_ranks(world_size,
       torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
       for model in models
   ]
-  device = torch_xla.device()
-  generator = torch.Generator().manual_seed(1)
-  x = torch.randn(32, 100, generator=generator).to(device)
-  y = torch.randint(0, 10, (32,), generator=generator).to(device)
+  x, y = make_batch()
   losses = []
   for _ in range(steps):
     # every rank's backward before any optimizer step: the all-gathers read
