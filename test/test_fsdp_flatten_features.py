@@ -99,12 +99,10 @@ def train(feature,
           flatten_parameters,
           steps=STEPS,
           save_to=None,
-          resume_from=None,
-          **fsdp_kwargs):
-  """Losses and the consolidated checkpoint (this rank's shards if the world
-  size is simulated); optionally resumes from, or saves, a sharded
-  checkpoint (model, shard metadata and optimizer state)."""
-  model = build(feature, flatten_parameters, **fsdp_kwargs)
+          resume_from=None):
+  """Losses and the consolidated checkpoint; optionally resumes from, or
+  saves, a sharded checkpoint (model, shard metadata and optimizer state)."""
+  model = build(feature, flatten_parameters)
   optimizer = torch.optim.SGD(
       [p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
   if resume_from is not None:
@@ -134,7 +132,7 @@ def train(feature,
     optimizer.step()
     torch_xla.sync()
     losses.append(loss.item())
-  state_dict = {k: v.cpu() for k, v in model.state_dict().items()}
+  state_dict = to_cpu(model.state_dict())
   if save_to is not None:
     torch.save(
         {
@@ -142,8 +140,6 @@ def train(feature,
             'shard_metadata': model.get_shard_metadata(),
             'optimizer': to_cpu(optimizer.state_dict()),
         }, save_to)
-  if model.world_size > 1:
-    return {'losses': losses, 'checkpoint': state_dict}
   return {
       'losses':
           losses,
@@ -242,7 +238,7 @@ def train_same_batch_ranks(world_size,
       optimizer.step()
     torch_xla.sync()
     losses.append([loss.item() for loss in rank_losses])
-  state_dicts = [{k: v.cpu() for k, v in m.state_dict().items()} for m in models]
+  state_dicts = [to_cpu(model.state_dict()) for model in models]
   return {
       'losses': [rank_losses[0] for rank_losses in losses],
       'rank_losses':

@@ -30,6 +30,20 @@ def padded_unit_bytes(world_size):
   return -(-mu.layer_numel() // multiple) * multiple * 4
 
 
+def shard_shape(world_size):
+  """The shape of one rank's shard of a Layer's flat parameter."""
+  return f'f32[{padded_unit_bytes(world_size) // 4 // world_size}]'
+
+
+def assert_peak_within(test, flat, unflat, extra_bytes):
+  """flatten=True's resident peak (and TPU peak) <= flatten=False's + extra."""
+  test.assertLessEqual(flat['peak_resident_bytes'],
+                       unflat['peak_resident_bytes'] + extra_bytes)
+  if flat['tpu_peak_bytes'] is not None:
+    test.assertLessEqual(flat['tpu_peak_bytes'],
+                         unflat['tpu_peak_bytes'] + extra_bytes)
+
+
 class TestFlattenStepGraph(unittest.TestCase):
 
   @classmethod
@@ -47,8 +61,8 @@ class TestFlattenStepGraph(unittest.TestCase):
         # One trainable flat parameter per Layer (the root unit has none of
         # its own): its updated shard and its gradient shard.
         self.assertEqual(len(outputs), 2 * layers, outputs)
-        shard = f'f32[{padded_unit_bytes(world_size) // 4 // world_size}]'
-        self.assertEqual(collections.Counter(outputs), {shard: 2 * layers})
+        self.assertEqual(
+            collections.Counter(outputs), {shard_shape(world_size): 2 * layers})
         self.assertNotIn(WEIGHT_SHAPE, outputs)
 
   def test_grows_with_depth_like_unflattened(self):
@@ -66,15 +80,9 @@ class TestFlattenStepGraph(unittest.TestCase):
     # more gathered unit than flatten_parameters=False (stock: up to 7).
     for world_size, layers in CONFIGS:
       with self.subTest(world_size=world_size, layers=layers):
-        flat = self.stats[(world_size, layers, 1)]
-        unflat = self.stats[(world_size, layers, 0)]
-        self.assertLessEqual(
-            flat['peak_resident_bytes'],
-            unflat['peak_resident_bytes'] + padded_unit_bytes(world_size))
-        if flat['tpu_peak_bytes'] is not None:
-          self.assertLessEqual(
-              flat['tpu_peak_bytes'],
-              unflat['tpu_peak_bytes'] + padded_unit_bytes(world_size))
+        assert_peak_within(self, self.stats[(world_size, layers, 1)],
+                           self.stats[(world_size, layers, 0)],
+                           padded_unit_bytes(world_size))
 
 
 class TestFeatureStepGraphs(unittest.TestCase):
@@ -100,7 +108,7 @@ class TestFeatureStepGraphs(unittest.TestCase):
 
   def test_outputs(self):
     for feature, world_size, flat, _ in self.configs():
-      shard = f'f32[{padded_unit_bytes(world_size) // 4 // world_size}]'
+      shard = shard_shape(world_size)
       # the updated shards and their gradients; in eval, the shards (the
       # gathers read them) and the output the step keeps
       expected = {shard: 4}
@@ -111,7 +119,7 @@ class TestFeatureStepGraphs(unittest.TestCase):
 
   def test_gathers_each_unit_as_often_as_unflattened(self):
     # e.g. the recompute of a checkpointed unit in backward gathers it once
-    params_per_unit = 8
+    params_per_unit = mu.layer_numel() // (mu.HIDDEN * mu.HIDDEN)
     for feature, world_size, flat, unflat in self.configs():
       with self.subTest(feature=feature, world_size=world_size):
         for op in ('num_all_gathers', 'num_reduce_scatters'):
@@ -125,11 +133,7 @@ class TestFeatureStepGraphs(unittest.TestCase):
     for feature, world_size, flat, unflat in self.configs():
       bound = padded_unit_bytes(world_size) + param_bytes + 2**20
       with self.subTest(feature=feature, world_size=world_size):
-        self.assertLessEqual(flat['peak_resident_bytes'],
-                             unflat['peak_resident_bytes'] + bound)
-        if flat['tpu_peak_bytes'] is not None:
-          self.assertLessEqual(flat['tpu_peak_bytes'],
-                               unflat['tpu_peak_bytes'] + bound)
+        assert_peak_within(self, flat, unflat, bound)
 
 
 class TestReshardAfterForwardFrees(unittest.TestCase):
