@@ -64,6 +64,8 @@ run_test test_fsdp_flatten_parity.py
 run_test_without_functionalization test_fsdp_flatten_parity.py
 run_test test_fsdp_flatten_features.py
 run_test_without_functionalization test_fsdp_flatten_features.py
+run_test test_fsdp_meta_init.py
+run_test_without_functionalization test_fsdp_meta_init.py
 
 echo
 for t in "${FAILED_FILES[@]}"; do echo "FAILED: $t"; done

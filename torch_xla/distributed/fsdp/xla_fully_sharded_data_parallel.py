@@ -765,6 +765,17 @@ class XlaFullyShardedDataParallel(nn.Module):
         p = p.to(self.xla_device).requires_grad_(p.requires_grad)
         # update p in full_params since id(p) changed after the casting
         self.full_params[idx] = p
+      elif not XLA_DISABLE_FUNCTIONALIZATION and not self.flatten_parameters:
+        # A parameter made on the XLA device (e.g. by `param_init_fn` on a meta
+        # module) wraps its data through `detach()`, which functionalization
+        # records as an alias. Once that data is written in place (as
+        # `reset_parameters()` does), the alias is regenerated from its base
+        # whenever it is read, and `_replace_xla_tensor` on it has no effect:
+        # every forward would read the initial values, not the gathered
+        # shards. A copy owns its data, like the result of the cast above.
+        # (A FlatParameter is made by flattening, after any such write.)
+        p = p.detach().clone().requires_grad_(p.requires_grad)
+        self.full_params[idx] = p
       # Free the full parameter storage (here we free its internal XLATensor) but keep the tensor itself
       # for auto-grad tracing (like `torch.autograd.Variable` before the tensor-variable merge).
       if XLA_DISABLE_FUNCTIONALIZATION:

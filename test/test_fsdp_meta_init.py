@@ -1,0 +1,117 @@
+"""FSDP units materialized from the meta device train like eager-built ones.
+
+A ``param_init_fn`` that calls ``module.to_empty(device=...)`` creates the
+parameters on the XLA device. Training must then update the values that each
+forward gathers, for both ``flatten_parameters`` settings, with and without
+functionalization (``XLA_DISABLE_FUNCTIONALIZATION=1``): compared over several
+SGD-momentum steps with the same model built on the CPU, by losses and by the
+consolidated checkpoint.
+"""
+
+import sys
+import unittest
+
+import torch
+import torch.nn as nn
+import torch_xla
+from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+from torch_xla.distributed.fsdp.state_dict_utils import (
+    consolidate_sharded_state_dicts)
+from torch_xla.distributed.fsdp.wrap import always_wrap_policy
+
+STEPS = 3
+
+
+class Linear(nn.Linear):
+  """A ``Linear`` with a deterministic ``reset_parameters``."""
+
+  def reset_parameters(self):
+    with torch.no_grad():
+      self.weight.copy_(
+          torch.linspace(-1, 1, self.weight.numel()).view_as(self.weight))
+      if self.bias is not None:
+        self.bias.copy_(torch.linspace(-0.5, 0.5, self.bias.numel()))
+
+
+class Net(nn.Module):
+
+  def __init__(self, device=None):
+    super().__init__()
+    self.fc1 = Linear(6, 10, bias=False, device=device)
+    self.fc2 = Linear(10, 6, device=device)
+
+  def forward(self, x):
+    return self.fc2(torch.tanh(self.fc1(x)))
+
+  def reset_parameters(self):
+    for m in self.children():
+      if not isinstance(m, FSDP):
+        m.reset_parameters()
+
+
+def init_with_reset_parameters(module):
+  # As upstream's test/torch_distributed/test_torch_distributed_fsdp_meta.py.
+  if any(p.is_meta for p in module.parameters()):
+    module.to_empty(device=torch_xla.device())
+  with torch.no_grad():
+    module.reset_parameters()
+
+
+def train(flatten_parameters, meta, auto_wrap):
+  """Losses and the consolidated checkpoint after ``STEPS`` steps."""
+  kwargs = dict(flatten_parameters=flatten_parameters)
+  if auto_wrap:
+    kwargs['auto_wrap_policy'] = always_wrap_policy
+  if meta:
+    model = FSDP(
+        Net(device='meta'), param_init_fn=init_with_reset_parameters, **kwargs)
+  else:
+    net = Net()
+    net.reset_parameters()
+    model = FSDP(net, **kwargs)
+  optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+  device = torch_xla.device()
+  generator = torch.Generator().manual_seed(0)
+  losses = []
+  for _ in range(STEPS):
+    x = torch.randn(10, 6, generator=generator).to(device)
+    optimizer.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    torch_xla.sync()
+    losses.append(loss.item())
+  state_dict = {k: v.cpu() for k, v in model.state_dict().items()}
+  checkpoint = consolidate_sharded_state_dicts([state_dict],
+                                               model.get_shard_metadata())
+  return losses, checkpoint
+
+
+class TestMetaInit(unittest.TestCase):
+
+  def test_trains_like_eager_init(self):
+    for flatten_parameters in (False, True):
+      for auto_wrap in (False, True):
+        with self.subTest(
+            flatten_parameters=flatten_parameters, auto_wrap=auto_wrap):
+          losses, checkpoint = train(
+              flatten_parameters, meta=True, auto_wrap=auto_wrap)
+          ref_losses, ref_checkpoint = train(
+              flatten_parameters, meta=False, auto_wrap=auto_wrap)
+          # The model trains: each step's update reaches the next forward.
+          self.assertLess(ref_losses[-1], ref_losses[0])
+          torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
+          self.assertEqual(checkpoint.keys(), ref_checkpoint.keys())
+          for name in ref_checkpoint:
+            self.assertFalse(checkpoint[name].is_meta, name)
+            torch.testing.assert_close(
+                checkpoint[name],
+                ref_checkpoint[name],
+                rtol=1e-6,
+                atol=1e-7,
+                msg=lambda m: f'{name}: {m}')
+
+
+if __name__ == '__main__':
+  test = unittest.main(exit=False)
+  sys.exit(0 if test.result.wasSuccessful() else 1)
