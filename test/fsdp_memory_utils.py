@@ -46,12 +46,14 @@ _DUMP_FLAG = '--xla_dump_to='
 _KEEP_BARRIERS_FLAG = '--xla_disable_hlo_passes=cse_barrier_expander'
 
 
-def _ensure_xla_flags() -> str:
+def _ensure_xla_flags() -> Tuple[str, bool]:
+  """The dump folder, and whether it is a temporary one of this module's."""
   flags = os.environ.get('XLA_FLAGS', '')
   m = re.search(re.escape(_DUMP_FLAG) + r'(\S+)', flags)
   if m:
-    path = m.group(1)
+    path, temporary = m.group(1), False
   else:
+    temporary = True
     path = tempfile.mkdtemp(prefix='fsdp_xla_dump_')
     # every graph of the process is dumped: hundreds of MB for a test file
     atexit.register(shutil.rmtree, path, ignore_errors=True)
@@ -60,10 +62,10 @@ def _ensure_xla_flags() -> str:
       '--xla_disable_hlo_passes' not in flags):
     flags += ' ' + _KEEP_BARRIERS_FLAG
   os.environ['XLA_FLAGS'] = flags.strip()
-  return path
+  return path, temporary
 
 
-DUMP_DIR = _ensure_xla_flags()
+DUMP_DIR, _DUMP_DIR_IS_TEMPORARY = _ensure_xla_flags()
 
 import torch
 import torch.nn as nn
@@ -246,6 +248,9 @@ class StepGraphStats:
   live_at_peak: List[Tuple[str, int]]
   output_shapes: List[str]
   num_instructions: int
+  # collectives in the HLO handed to the compiler (one replica's would be
+  # removed by its optimizations): all-gather, reduce-scatter, all-reduce
+  hlo_collectives: Dict[str, int] = dataclasses.field(default_factory=dict)
   num_all_gathers: int = 0
   num_reduce_scatters: int = 0
   compile_seconds: float = 0.0
@@ -302,7 +307,9 @@ def parse_total_allocated(text: str) -> int:
 
 _ALLOC_RE = re.compile(r'^allocation (\d+): ')
 _VALUE_RE = re.compile(r'^ value: <\d+ (\S+) @\S+> \(size=(\d+),offset=(\d+)\)')
-_RANGE_RE = re.compile(r'^\s+(\S+?)\{[^}]*\}:(\d+)-(\d+)$')
+# `name{}` for an array value, `name{i}` for element i of a tuple (named so
+# in the value lines too)
+_RANGE_RE = re.compile(r'^\s+(\S+?)(\{[^}]*\}):(\d+)-(\d+)$')
 
 
 def parse_resident_peak(text: str) -> Tuple[int, List[Tuple[str, int]]]:
@@ -312,8 +319,10 @@ def parse_resident_peak(text: str) -> Tuple[int, List[Tuple[str, int]]]:
   each distinct memory region (allocation, offset) counted once: XLA gives
   two values live at the same point the same region only when one updates
   the other in place, so this counts such a buffer once, where XLA's
-  "peak usage" line counts it twice. Unlike "Total bytes used" it does not
-  include space the heap left unused between buffers.
+  "peak usage" line counts it twice. "Total bytes used" is larger: it adds
+  up every allocation, and the graph's parameters and outputs have
+  allocations of their own for the whole step, live or not at the peak
+  (besides any space the heap of temporaries leaves unused).
   """
   where = {}
   alloc = None
@@ -334,8 +343,9 @@ def parse_resident_peak(text: str) -> Tuple[int, List[Tuple[str, int]]]:
       if line.strip():
         break
       continue
-    if m.group(1) in where:
-      ranges.append((int(m.group(2)), int(m.group(3)), m.group(1)))
+    name = m.group(1) + ('' if m.group(2) == '{}' else m.group(2))
+    if name in where:
+      ranges.append((int(m.group(3)), int(m.group(4)), name))
   best, best_live = 0, []
   for t in sorted({start for start, _, _ in ranges}):
     regions = {}
@@ -374,6 +384,21 @@ def parse_buffer_assignment(text: str) -> Tuple[int, List[Tuple[str, int]]]:
   return peak, live
 
 
+_COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce')
+
+
+def count_hlo_collectives(hlo_text: str) -> Dict[str, int]:
+  """The collectives of an HLO module (async ones counted once).
+
+  At world size 1 torch_xla emits no all-reduce (and so no all-gather with
+  a pinned layout, which is an all-reduce) unless ``XLA_ALWAYS_ALLREDUCE=1``.
+  """
+  return {
+      op: len(re.findall(r' ' + op + r'(?:-start)?\(', hlo_text))
+      for op in _COLLECTIVES
+  }
+
+
 def _count_instructions(prefix: str) -> int:
   with open(_after_optimizations_path(prefix)) as f:
     return len(re.findall(r'^\s+(?:ROOT )?%?\S+ = ', f.read(), re.M))
@@ -397,6 +422,7 @@ def read_module(prefix: str) -> StepGraphStats:
       hlo_path=_after_optimizations_path(prefix),
       live_at_peak=live,
       output_shapes=parse_entry_output_shapes(before),
+      hlo_collectives=count_hlo_collectives(before),
       num_instructions=_count_instructions(prefix))
 
 
@@ -658,21 +684,23 @@ def report_model_step_stats(num_layers: int = 2,
     return stats
 
 
-def measure_in_subprocess(stock: Optional[bool] = None, **kwargs) -> dict:
+def measure_in_subprocess(stock: Optional[bool] = None,
+                          env: Optional[Dict[str, str]] = None,
+                          **kwargs) -> dict:
   """Measure one report-model configuration in a fresh process.
 
   ``kwargs`` are this script's flags (``layers``, ``world_size``,
   ``flatten``, ``steps``, ``feature``). ``stock=True`` turns the overlay off (stock
   torch_xla FSDP), ``False`` on; ``None`` keeps this process's setting.
   Returns the JSON this script prints, ``StepGraphStats`` fields plus
-  ``fsdp_file``.
+  ``fsdp_file``. ``env``: more environment variables for the child.
   """
   args = [sys.executable, os.path.abspath(__file__)]
   for k, v in kwargs.items():
     args += [
         f"--{k.replace('_', '-')}", v if isinstance(v, str) else str(int(v))
     ]
-  env = dict(os.environ)
+  env = dict(os.environ, **(env or {}))
   if stock is not None:
     env['TORCH_XLA_FSDP_OVERLAY'] = '0' if stock else '1'
   # The child picks its own dump folder (and the flags for its device).
@@ -717,7 +745,8 @@ def main(argv=None) -> None:
   out = dataclasses.asdict(stats)
   out['fsdp_file'] = fsdp_module.__file__
   print(json.dumps(out))
-  cleanup_dumps()
+  if _DUMP_DIR_IS_TEMPORARY:  # (not a folder the user chose)
+    cleanup_dumps()
 
 
 if __name__ == '__main__':

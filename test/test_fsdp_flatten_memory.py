@@ -136,6 +136,24 @@ class TestFeatureStepGraphs(unittest.TestCase):
         assert_peak_within(self, flat, unflat, bound)
 
 
+class TestCollectivesInStepGraph(unittest.TestCase):
+  """The step graph's collectives, counted in its HLO, are stock
+  flatten_parameters=True's: no extra collective for the fix."""
+
+  def test_same_collectives_as_stock_flattened(self):
+    # (at world size 1, all-reduces and pinned all-gathers appear only so)
+    env = {'XLA_ALWAYS_ALLREDUCE': '1'}
+    for feature in ('plain', 'checkpoint'):
+      with self.subTest(feature=feature):
+        fixed, stock = (
+            mu.measure_in_subprocess(
+                stock=stock, env=env, feature=feature, flatten=1)
+            for stock in (False, True))
+        self.assertIn('site-packages', stock['fsdp_file'])
+        self.assertGreater(stock['hlo_collectives']['all-reduce'], 0)
+        self.assertEqual(fixed['hlo_collectives'], stock['hlo_collectives'])
+
+
 class TestReshardAfterForwardFrees(unittest.TestCase):
 
   def setUp(self):

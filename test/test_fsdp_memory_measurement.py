@@ -115,6 +115,24 @@ class TestParsing(unittest.TestCase):
     self.assertEqual(peak, 1416)
     self.assertEqual(live, [('copy.1', 400), ('p0.2', 16)])
 
+  def test_resident_peak_counts_tuple_elements(self):
+    # Values inside a tuple are named with their index in both sections;
+    # two values in one region (an in-place update) count once.
+    text = (
+        'allocation 0: size 400, maybe-live-out:\n'
+        ' value: <1 all-reduce.81{0} @0> (size=400,offset=0): f32[100]\n'
+        'allocation 1: size 64, preallocated-temp:\n'
+        ' value: <2 fusion.3 @0> (size=64,offset=0): f32[16]\n'
+        ' value: <3 dynamic-update-slice.4 @0> (size=64,offset=0): f32[16]\n'
+        '  BufferLiveRange:\n'
+        '    all-reduce.81{0}:0-5\n'
+        '    fusion.3{}:1-3\n'
+        '    dynamic-update-slice.4{}:3-4\n'
+        '\n')
+    peak, live = mu.parse_resident_peak(text)
+    self.assertEqual(peak, 464)
+    self.assertEqual(live, [('all-reduce.81{0}', 400), ('fusion.3', 64)])
+
 
 if __name__ == '__main__':
   test = unittest.main(exit=False)

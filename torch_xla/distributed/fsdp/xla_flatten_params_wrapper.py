@@ -83,12 +83,11 @@ class FlatParameter(nn.Parameter):
     self._param_infos: List[Tuple[str, nn.Module, str]] = []
     self._shared_param_infos: List[Tuple[str, str, nn.Module, str, nn.Module,
                                          str]] = []
-    # When set (by XlaFullyShardedDataParallel), one tensor per original
-    # parameter that `_unflatten_params_as_views` puts on the submodules
-    # instead of views into this flat parameter. Views would pin the data
-    # they were made from; these tensors are not views, so their data can be
-    # swapped and freed (see `XlaFullyShardedDataParallel._shard_parameters_`).
-    self._unflattened_params: Optional[List[Tensor]] = None
+    # When set (by XlaFullyShardedDataParallel), what makes the tensors that
+    # `_unflatten_params_as_views` puts on the submodules instead of views
+    # into this flat parameter, which would pin the data they were made from
+    # (see `_UnflattenedParams` there).
+    self._unflattened_params = None
 
   def get_param_views(self,
                       external_data: Optional[Tensor] = None
@@ -403,13 +402,13 @@ class XlaFlattenParamsWrapper(nn.Module):
   def _unflatten_params_as_views(self) -> None:
     """
     Unlike ``_unflatten_params``, this function unflatten into views and keep
-    self.flat_param unchanged. Flat parameters that own unflattened params
-    (``FlatParameter._unflattened_params``) set those instead of views.
+    self.flat_param unchanged. Flat parameters with
+    ``FlatParameter._unflattened_params`` set the tensors it makes instead.
     """
     assert self.is_flattened
     ps = chain(*[
         p.get_param_views() if getattr(p, "_unflattened_params", None) is
-        None else p._unflattened_params for p in self.flat_params
+        None else p._unflattened_params.make() for p in self.flat_params
     ])
     param_views = []
     for (_, m, n), p in zip(self._param_infos, ps):

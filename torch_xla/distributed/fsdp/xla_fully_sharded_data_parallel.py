@@ -9,10 +9,11 @@ import functools
 import gc
 from itertools import chain
 import logging
-import math
 from math import inf
 import time
 import traceback
+import warnings
+import weakref
 from typing import (
     Any,
     Callable,
@@ -34,7 +35,6 @@ from torch.nn.parameter import Parameter
 from torch.nn.utils.rnn import PackedSequence
 import torch_xla
 from torch_xla import runtime as xr
-import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_model as xm
 
 from .xla_flatten_params_wrapper import FlatParameter, XlaFlattenParamsWrapper
@@ -153,15 +153,17 @@ class XlaFullyShardedDataParallel(nn.Module):
           original parameters in the wrapped module (e.g. setting bias terms or
           any BatchNorm submodules to have zero weight decay) since all the
           original parameters now become a single concatenated vector.
-          Memory: each original parameter is a tensor of its own (not a view
-          into the flat parameter) that is freed after forward like an
-          unflattened full parameter, so the gathered parameters are neither
-          kept until backward nor outputs of the step graph. The padded
-          all-gather result is used as is, and in backward the same buffer
-          receives the gradients in place and is reduce-scattered. Memory
+          Memory: each forward gives the wrapped submodules the original
+          parameters as tensors of their own, not views into the flat
+          parameter, which FSDP frees after forward and re-gathers for
+          backward like unflattened full parameters; so the gathered
+          parameters are neither kept until backward nor outputs of the step
+          graph. Their gradients are concatenated into the flat gradient,
+          which is reduce-scattered as one tensor. Memory
           then grows with depth as for ``flatten_parameters=False``; a module
-          still holds its whole flat parameter (or gradient) at a time, where
-          unflattened parameters come and go one by one.
+          still holds all its gradients (and their concatenation) at a time,
+          where unflattened parameters' gradients are reduce-scattered one by
+          one.
       execute_sharding_on_init (bool, Optional):
           if ``True``, immediately execute the parameter sharding via
           `torch_xla.sync()` to free up the memory of the full parameters.
@@ -351,9 +353,9 @@ class XlaFullyShardedDataParallel(nn.Module):
     # Before anything is wrapped, flattened or sharded, so that a bad module
     # is left as it was.
     if flatten_parameters and shard_param_on_dim_0:
-      raise ValueError(
-          "shard_param_on_dim_0=True shards each parameter along its dim 0, "
-          "which flatten_parameters=True does not keep: pass only one of them.")
+      warnings.warn(
+          "shard_param_on_dim_0=True is ignored with flatten_parameters=True, "
+          "which shards the flattened parameters.")
     if coalesce_all_gather_ops and pin_layout_in_collective_ops:
       raise ValueError(
           "coalesce_all_gather_ops=True needs pin_layout_in_collective_ops="
@@ -519,7 +521,9 @@ class XlaFullyShardedDataParallel(nn.Module):
     for param in module.parameters():
       if not hasattr(param, "_is_sharded"):
         params.append(param)
-        param._fsdp_unit_owned = True  # for `_check_params_supported`
+    # for `_check_params_supported` of an outer unit (weak: the unit may
+    # free them)
+    self._unit_param_refs = [weakref.ref(p) for p in params]
 
     # For now, it is either all flatten or none flatten.
     if self.flatten_parameters:
@@ -802,53 +806,14 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     for p in self.full_params:
       if isinstance(p, FlatParameter):
-        self._init_unflattened_params(p)
+        p._unflattened_params = _UnflattenedParams(p,
+                                                   self._dummy_data_placeholder)
+        for m, indices in p._unflattened_params.matrices_of_module.items():
+          m.register_forward_pre_hook(
+              functools.partial(self._slice_matrices_after_inputs, p, indices))
     if self.flatten_parameters:
       # replace the views set at flattening time, which hold the full data
       self._fsdp_wrapped_module._unflatten_params_as_views()
-
-  def _init_unflattened_params(self, p: FlatParameter) -> None:
-    """
-    Give flat parameter ``p`` one tensor per original parameter, which the
-    wrapped submodules use in place of views into ``p``.
-
-    With views, the forward's gathered data stays alive until backward (the
-    views, and the tensors autograd saved, keep it even after ``p`` is freed)
-    and becomes an output of the step graph. Under functionalization a view
-    cannot be freed either: it is regenerated from its base when read. The
-    tensors made here are leaves that are not views, so, as for unflattened
-    full parameters, ``_rebuild_full_params`` and ``_free_full_params`` swap
-    their data and autograd reads whatever they hold when backward runs.
-
-    Postcondition: ``p._unflattened_params[i]`` has ``_flat_param is p``,
-    ``_flat_param_offset`` (its start in ``p``), ``_orig_size``,
-    ``_sharded_param`` and ``_has_full_param == False``.
-    """
-    p._unflattened_params = []
-    p._num_unflattened_grads_awaited = 0
-    p._has_unflattened_grads = False
-    owned = {}
-    offset = 0
-    for (module_name, m, n), size, numel in zip(p._param_infos, p._param_shapes,
-                                                p._param_numels):
-      # Made at full size and then freed, as the unflattened full params are
-      # (the full-size value is never computed): functionalization keeps
-      # some of a tensor's size metadata from its creation.
-      t = p.new_empty(size).requires_grad_(p.requires_grad)
-      _swap_data(t, self._dummy_data_placeholder)
-      t._flat_param = p
-      t._flat_param_offset = offset
-      t._orig_size = size
-      t._orig_name = f"{module_name}.{n}" if module_name else n
-      t._sharded_param = p._sharded_param
-      t._has_full_param = False
-      t._awaiting_grad = False
-      p._unflattened_params.append(t)
-      owned.setdefault(m, []).append(t)
-      offset += numel
-    for m, ts in owned.items():
-      m.register_forward_pre_hook(
-          functools.partial(self._unflattened_params_pre_forward_hook, ts))
 
   def _get_shard(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, int]:
     """Return the local shard of a full tensor."""
@@ -1269,10 +1234,6 @@ class XlaFullyShardedDataParallel(nn.Module):
     self._post_backward_hooks_to_call = 0
     for p in self.full_params:
       if p.requires_grad:
-        if isinstance(p, FlatParameter):
-          # autograd sees the unflattened params, not `p`
-          self._register_unflattened_params_post_backward_hooks(p)
-          continue
         if hasattr(p, "_shard_bwd_hook"):
           continue
         # Register a hook on the first call, empirically, autograd
@@ -1287,10 +1248,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._post_backward_hooks_to_call += 1
 
   @torch.no_grad()
-  def _post_backward_hook(self,
-                          param: Parameter,
-                          *unused: Any,
-                          flat_grad: Optional[torch.Tensor] = None) -> None:
+  def _post_backward_hook(self, param: Parameter, *unused: Any) -> None:
     """
     At the start of :func:`_post_backward_hook`, ``param.grad`` contains the
     full gradient for the local batch. The reduce-scatter op will replace
@@ -1309,27 +1267,23 @@ class XlaFullyShardedDataParallel(nn.Module):
     shard of params, also corresponding to the current XLA device's rank. This
     alignment is created by :func:`_shard_parameters_`, which ensures that
     the local optimizer only sees the relevant parameter shard.
-
-    A flat parameter's gradient comes as ``flat_grad`` instead (from
-    :func:`_unflattened_param_post_backward_hook`): in the compute dtype, it
-    cannot be assigned to ``param.grad`` as autograd would.
     """
     # First hook callback will see PRE state. If we have multiple params,
     # then subsequent hook callbacks will see POST state.
     self.assert_state([TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST])
     self.training_state = TrainingState.BACKWARD_POST
     self._post_backward_hooks_to_call -= 1
-    grad = param.grad if flat_grad is None else flat_grad
-    if grad is None:
+    if param.grad is None:
       if self._post_backward_hooks_to_call == 0:
         self.reduce_scatter_op.flush()
       return
 
-    assert grad is not None, param.shape
-    if grad.requires_grad:
+    assert param.grad is not None, param.shape
+    if param.grad.requires_grad:
       raise RuntimeError(
           "FSDP only works with gradients that don't require gradients")
 
+    grad = param.grad
     if self._require_backward_grad_sync or self.reshard_after_forward:
       # Free full params. As a special case, we don't free the full params
       # when in a ``no_sync`` context (as inversely indicated by
@@ -1346,8 +1300,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.reduce_scatter_op.flush()
       return
 
-    if self.gradient_predivide_factor > 1 and not isinstance(
-        param, FlatParameter):  # (see `_predivide_after_reduce_scatter`)
+    if self.gradient_predivide_factor > 1:
       # Average grad by world_size for consistency with PyTorch DDP.
       grad.div_(self.gradient_predivide_factor)
 
@@ -1366,13 +1319,9 @@ class XlaFullyShardedDataParallel(nn.Module):
         reduced_grad = reduced_grad.to(torch.float32)
       if self.optimization_barrier_in_backward:
         self.optimization_barrier_op([reduced_grad])
-      postdivide_factor = self.gradient_postdivide_factor
-      if isinstance(param, FlatParameter):
-        if self._predivide_after_reduce_scatter():
-          postdivide_factor *= self.gradient_predivide_factor
-      if postdivide_factor > 1:
+      if self.gradient_postdivide_factor > 1:
         # Average grad by world_size for consistency with PyTorch DDP.
-        reduced_grad.div_(postdivide_factor)
+        reduced_grad.div_(self.gradient_postdivide_factor)
 
       grad._has_full_param = True
       grad_flat._has_full_param = True
@@ -1395,188 +1344,6 @@ class XlaFullyShardedDataParallel(nn.Module):
     self.reduce_scatter_op(grad_flat.detach(), reduce_scatter_done)
     if self._post_backward_hooks_to_call == 0:
       self.reduce_scatter_op.flush()
-
-  def _register_unflattened_params_post_backward_hooks(
-      self, p: FlatParameter) -> None:
-    """
-    Register ``_unflattened_param_post_backward_hook`` on each unflattened
-    param of ``p``; once all have fired, ``p``'s flat gradient is complete
-    and goes through ``_post_backward_hook(p)``, which counts as one hook.
-    """
-    if p._num_unflattened_grads_awaited > 0:
-      return  # already registered in an earlier forward of this iteration
-    for t in p._unflattened_params:
-      t_tmp = t.expand_as(t)  # Get a grad_fn on t_tmp.
-      assert t_tmp.grad_fn is not None
-      grad_acc = t_tmp.grad_fn.next_functions[0][0]
-      handle = grad_acc.register_hook(
-          functools.partial(self._unflattened_param_post_backward_hook, t))
-      t._shard_bwd_hook = (grad_acc, handle)
-      t._awaiting_grad = True
-    p._num_unflattened_grads_awaited = len(p._unflattened_params)
-    self._post_backward_hooks_to_call += 1
-
-  @torch.no_grad()
-  def _unflattened_param_post_backward_hook(self, param: torch.Tensor, *unused:
-                                            Any) -> None:
-    """
-    Post-backward hook of one unflattened param of flat parameter
-    ``p = param._flat_param``. ``p`` holds the padded buffer gathered for
-    this backward, which also serves as its flat gradient: ``param``'s
-    gradient is written over ``param``'s region of it, in place, and
-    ``param`` is freed. Once all of ``p``'s unflattened params are done, the
-    buffer (padding zeroed) is ``p``'s gradient for ``_post_backward_hook``,
-    which reduce-scatters it as for any other parameter.
-    """
-    self.assert_state([TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST])
-    self.training_state = TrainingState.BACKWARD_POST
-    flat_param = param._flat_param
-    grad = param.grad
-    if grad is not None and grad.requires_grad:
-      raise RuntimeError(
-          "FSDP only works with gradients that don't require gradients")
-    if self._require_backward_grad_sync:
-      param.grad = None
-      # Flattened before the barrier: a reshape fused into the write makes
-      # XLA's CPU backend rewrite the whole buffer instead of updating it.
-      flat_grad = (
-          flat_param.new_zeros(param._orig_size.numel())
-          if grad is None else grad.reshape(-1))
-      if (self.gradient_predivide_factor > 1 and
-          not self._predivide_after_reduce_scatter()):
-        # Divided piecewise (as `_post_backward_hook` would divide the
-        # whole): on the flat buffer, XLA's CPU backend does it out of place.
-        # Only in the rare cases where `_predivide_after_reduce_scatter`
-        # cannot save that copy.
-        flat_grad = flat_grad / self.gradient_predivide_factor
-      # The buffer can only be updated in place once the backward ops that
-      # read `param` (a slice of the buffer) are done; this barrier orders
-      # them first. It also keeps XLA from folding the chain of writes into
-      # one concatenate, which needs all of `p`'s gradients alive at once.
-      self.optimization_barrier_op([flat_param, flat_grad] +
-                                   ([param] if param._has_full_param else []))
-      self._write_to_flat_param(flat_param, flat_grad, param._flat_param_offset)
-      flat_param._has_unflattened_grads = True
-    if grad is not None and (self._require_backward_grad_sync or
-                             self.reshard_after_forward):
-      self._free_full_params(
-          [param],
-          dependency_tensors=[grad],
-          apply_opt_barrier=self.optimization_barrier_in_backward)
-    param._awaiting_grad = False
-    flat_param._num_unflattened_grads_awaited -= 1
-    if flat_param._num_unflattened_grads_awaited > 0:
-      return
-
-    if flat_param._has_unflattened_grads:
-      flat_param._has_unflattened_grads = False
-      numel = sum(flat_param._param_numels)
-      if flat_param.numel() > numel:  # padding: not a gradient
-        self._write_to_flat_param(
-            flat_param, flat_param.new_zeros(flat_param.numel() - numel), numel)
-      # A copy XLA elides: `flat_param` is freed right after.
-      self._post_backward_hook(flat_param, flat_grad=flat_param.clone())
-      return
-    if self._require_backward_grad_sync or self.reshard_after_forward:
-      self._free_full_params(
-          [flat_param], apply_opt_barrier=self.optimization_barrier_in_backward)
-    self._post_backward_hook(flat_param)
-
-  def _predivide_after_reduce_scatter(self) -> bool:
-    """
-    Whether a flat gradient's pre-division is left to the division after the
-    reduce-scatter (the result is the same), rather than applied to each
-    gradient written into the flat buffer, which takes a divided copy of it.
-    The same unless a float16 sum could overflow, or the factor is not a
-    power of two (then dividing before or after rounds differently).
-    """
-    factor = self.gradient_predivide_factor
-    reduced_in_float16 = (
-        self.compute_dtype == torch.float16 and not self.fp32_reduce_scatter)
-    return (factor > 1 and math.frexp(factor)[0] == 0.5 and
-            not reduced_in_float16)
-
-  def _finalize_unflattened_params(self, p: FlatParameter) -> None:
-    """
-    Remove the unflattened params' hooks at the end of backward. Params that
-    took part in backward but got no gradient (their hook never fired) get
-    zeros in the flat gradient, which then completes as usual.
-    """
-    awaiting = [t for t in p._unflattened_params if t._awaiting_grad]
-    for t in p._unflattened_params:
-      if hasattr(t, "_shard_bwd_hook"):
-        t._shard_bwd_hook[1].remove()
-        delattr(t, "_shard_bwd_hook")
-    if self._pre_backward_hook_has_run:
-      for t in awaiting:
-        self._unflattened_param_post_backward_hook(t)
-    for t in awaiting:
-      t._awaiting_grad = False
-    p._num_unflattened_grads_awaited = 0
-
-  def _use_padded_unsharded_flat_param(self, p: FlatParameter,
-                                       p_padded: torch.Tensor) -> None:
-    """
-    Make the gathered ``p_padded`` the data of flat parameter ``p``, as is
-    (no ``[:numel]`` copy), and point its unflattened params at their slices.
-    """
-    # Collectives are chained by a numeric token: the next collective's input
-    # reads an element of this one's output. Read only where the next
-    # collective is built (in backward, the reduce-scatter of this very
-    # buffer), it would keep the gathered data alive and stop backward from
-    # writing gradients over it in place. A one-element all-reduce of a zero
-    # reads it now, and subtracting its result from the buffer's first
-    # element (in place; `x - 0.0 == x` for every x) puts every later use of
-    # the buffer after that read.
-    token_reader = self.all_reduce_op(
-        xm.REDUCE_SUM, p_padded.new_zeros(1), groups=self.sharding_groups)
-    p_padded = _dynamic_update_slice(p_padded, p_padded[:1] - token_reader, 0)
-    self.optimization_barrier_op([p_padded])
-    _swap_data(p, p_padded)
-    for t in p._unflattened_params:
-      t._has_full_param = True
-    self._point_unflattened_params(p)
-
-  def _write_to_flat_param(self, p: FlatParameter, data: torch.Tensor,
-                           offset: int) -> None:
-    """
-    Write ``data`` into ``p`` at ``offset``, as a new version of ``p``'s data,
-    and point ``p``'s unflattened params that hold full data at it.
-    """
-    _swap_data(p, _dynamic_update_slice(p, data, offset))
-    self._point_unflattened_params(p)
-
-  @torch.no_grad()
-  def _unflattened_params_pre_forward_hook(self, params: List[torch.Tensor],
-                                           module: nn.Module,
-                                           args: Any) -> None:
-    """
-    Point ``module``'s own unflattened params at their slices again, right
-    before it runs, with the slices taken after its inputs. Otherwise XLA may
-    compute (copy out) the slices of all of an FSDP module's parameters as
-    soon as they are gathered, holding them all together with the gathered
-    buffer.
-    """
-    params = [t for t in params if t._has_full_param]
-    if params:
-      p = params[0]._flat_param
-      self.optimization_barrier_op([p] + collect_tensors(args))
-      self._point_unflattened_params(p, params)
-
-  def _point_unflattened_params(
-      self,
-      p: FlatParameter,
-      params: Optional[List[torch.Tensor]] = None) -> None:
-    """
-    Point unflattened ``params`` of ``p`` (default: all of them that hold full
-    data) at their slices of ``p``'s data. A slice is not a view of ``p``
-    once swapped in, so later versions of ``p`` leave it unchanged.
-    """
-    for t in p._unflattened_params if params is None else params:
-      if t._has_full_param:
-        _swap_data(
-            t, p[t._flat_param_offset:t._flat_param_offset +
-                 t._orig_size.numel()].view(t._orig_size))
 
   def _queue_wait_for_post_backward(self) -> None:
     """
@@ -1631,8 +1398,6 @@ class XlaFullyShardedDataParallel(nn.Module):
       for p in fsdp_module.full_params:
         if not p.requires_grad:
           frozen_params.append(p)
-        if isinstance(p, FlatParameter):
-          fsdp_module._finalize_unflattened_params(p)
         if hasattr(p, "_shard_bwd_hook"):
           assert len(p._shard_bwd_hook) == 2, len(p._shard_bwd_hook)
           p._shard_bwd_hook[1].remove()
@@ -1764,9 +1529,7 @@ class XlaFullyShardedDataParallel(nn.Module):
           if apply_opt_barrier:
             self.optimization_barrier_op([p_padded])
           with torch.autograd._unsafe_preserve_version_counter(p):
-            if isinstance(p, FlatParameter):
-              self._use_padded_unsharded_flat_param(p, p_padded)
-            elif self._shard_param_on_dim_0:
+            if self._shard_param_on_dim_0:
               if XLA_DISABLE_FUNCTIONALIZATION:
                 p.data = p_padded[:p_shard._orig_size[
                     0]]  # Old behavior before Functionalization.
@@ -1782,6 +1545,7 @@ class XlaFullyShardedDataParallel(nn.Module):
                 torch_xla._XLAC._replace_xla_tensor(
                     p, p_padded[:p_shard._orig_size.numel()].view(
                         p_shard._orig_size))
+          self._point_unflattened_params(p)
         p._has_full_param = True
 
     # (an all-gather of an empty list crashes torch_xla)
@@ -1791,17 +1555,41 @@ class XlaFullyShardedDataParallel(nn.Module):
       if apply_opt_barrier:
         self.optimization_barrier_op(p_padded_list)
       for (p, p_shard), p_padded in zip(p_to_rebuild, p_padded_list):
-        if isinstance(p, FlatParameter):
-          self._use_padded_unsharded_flat_param(p, p_padded.flatten())
-        elif self._shard_param_on_dim_0:
+        if self._shard_param_on_dim_0:
           p.data = p_padded[:p_shard._orig_size[0]]
         else:
           _swap_data(
               p,
               p_padded.flatten()[:p_shard._orig_size.numel()].view(
                   p_shard._orig_size))
+        self._point_unflattened_params(p)
 
     self.has_full_params = True
+
+  @torch.no_grad()
+  def _slice_matrices_after_inputs(self, p: FlatParameter, indices: List[int],
+                                   module: nn.Module, args: Any) -> None:
+    """
+    Forward pre-hook of a submodule that owns matrices of flat parameter
+    ``p``: slice them out of ``p`` again, after the submodule's inputs. A
+    matrix that feeds a matmul is copied out of the flat buffer, and XLA may
+    otherwise make these copies for all the submodules of a unit as soon as
+    it is gathered, holding a second unit's worth of memory next to the
+    buffer. (Other slices feed elementwise ops and fuse into them.)
+    """
+    if self.optimization_barrier_in_forward and p._has_full_param:
+      self.optimization_barrier_op([p] + collect_tensors(args))
+      p._unflattened_params.point_again(indices)
+
+  def _point_unflattened_params(self, p: Parameter) -> None:
+    """
+    If ``p`` is a flat parameter that has just been gathered for backward,
+    point the original parameters that forward made from it (and autograd
+    saved) at its new data. A forward makes new ones instead.
+    """
+    if (isinstance(p, FlatParameter) and
+        self.training_state != TrainingState.FORWARD):
+      p._unflattened_params.point_at_flat_param()
 
   @torch.no_grad()
   def _free_full_params(self,
@@ -1835,10 +1623,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             torch_xla._XLAC._replace_xla_tensor(p, self._dummy_data_placeholder)
         p._has_full_param = False
         if isinstance(p, FlatParameter):
-          for t in p._unflattened_params:
-            if t._has_full_param:
-              _swap_data(t, self._dummy_data_placeholder)
-              t._has_full_param = False
+          p._unflattened_params.free()
 
     if apply_opt_barrier:
       self._apply_opt_barrier_to_params_and_tensors(
@@ -2032,6 +1817,11 @@ def _check_params_supported(module: nn.Module,
         only_wrap_children=True)
     units.update(would_wrap)
 
+  # ids of live parameters (unique among live objects)
+  owned_by_inner_units = {
+      id(r()) for m in units if isinstance(m, XlaFullyShardedDataParallel)
+      for r in m._unit_param_refs if r() is not None
+  }
   first_use = {}
   first_path = {}
 
@@ -2057,7 +1847,7 @@ def _check_params_supported(module: nn.Module,
             f"is {p.dtype}{flat}. Keep parameters in float32 (e.g. "
             "module.float()); for lower-precision compute, pass "
             "compute_dtype=torch.bfloat16 (or torch.float16).")
-      if hasattr(p, "_fsdp_unit_owned"):
+      if id(p) in owned_by_inner_units:
         raise ValueError(
             f"Parameter '{name}' is already sharded by an inner FSDP unit, "
             "which would leave this use of it as an untied copy. Wrap the "
@@ -2077,33 +1867,140 @@ def _check_params_supported(module: nn.Module,
   visit(module, "", (module, "<root>"))
 
 
-_DUS_COMPUTATIONS = {}
-
-
-def _dynamic_update_slice(t: torch.Tensor, update: torch.Tensor,
-                          offset: int) -> torch.Tensor:
+class _UnflattenedParams:
   """
-  1-D ``t`` with 1-D ``update`` written at ``offset``, as an XLA
-  DynamicUpdateSlice, which XLA does in place when ``t`` is not used
-  afterwards. ``slice_scatter`` (and an in-place ``copy_`` into a slice) is
-  lowered to a select over a full-size pad and mask, and ``cat`` can never
-  reuse its input's buffer; both cost a full-size buffer per write.
+  The original parameters of a ``FlatParameter`` as its wrapped submodules
+  use them in forward and backward.
+
+  Stock ``XlaFlattenParamsWrapper`` sets views into the flat parameter. The
+  submodules hold them and autograd saves them for backward, so they pin the
+  forward's gathered data until backward (which then computes with it rather
+  than with the data gathered for backward), and they are outputs of the step
+  graph; under functionalization a view cannot even be freed, as it is
+  regenerated from its base whenever it is read. Here each forward makes the
+  original parameters with ``_UnflattenFlatParameter``: tensors of their own,
+  whose data FSDP swaps as it does that of an unflattened full parameter
+  (freed after forward, pointed at the data gathered for backward, freed
+  again after it), and whose gradients autograd concatenates into one
+  gradient of the flat parameter, as it does through views.
+
+  Invariant: the tensors in ``_holding`` hold slices of the flat parameter's
+  current full data (so it is empty while the flat parameter is freed), and
+  those in ``_freed`` hold the placeholder. Each list has one entry per
+  forward, of weak references: the submodules hold the latest tensors made,
+  and autograd those it saved; what no one holds needs no freeing.
   """
-  shapes = [xb.tensor_shape(t), xb.tensor_shape(update)]
-  key = (str(shapes[0].shape), str(shapes[1].shape), offset)
-  if key not in _DUS_COMPUTATIONS:
 
-    def dus(t_op, u_op):
-      start = xb.Op.scalar(t_op.builder(), offset, dtype=xb.Type.S32)
-      # A no-op (removed by XLA) unless, e.g., zeros made from `t`'s float32
-      # metadata go into bfloat16 data.
-      return t_op.dynamic_update_slice(u_op.cast(shapes[0].dtype), [start])
+  def __init__(self, flat_param: FlatParameter, placeholder: torch.Tensor):
+    self._flat_param = flat_param
+    self._placeholder = placeholder
+    self._holding: List[List[weakref.ref]] = []
+    self._freed: List[List[weakref.ref]] = []
+    # What the submodules hold before the first forward. Made at full size
+    # and then freed, as the unflattened full params are (the full-size value
+    # is never computed): functionalization keeps some of a tensor's size
+    # metadata from its creation, and a module's `weight.shape` stays right.
+    self._placeholders = []
+    for size in flat_param._param_shapes:
+      t = flat_param.new_empty(size)
+      _swap_data(t, placeholder)
+      self._placeholders.append(t)
+    self._offsets = [0]
+    for numel in flat_param._param_numels[:-1]:
+      self._offsets.append(self._offsets[-1] + numel)
+    # the matrices each submodule owns (see `point_again`)
+    self.matrices_of_module: Dict[nn.Module, List[int]] = {}
+    for i, ((_, m, _), shape) in enumerate(
+        zip(flat_param._param_infos, flat_param._param_shapes)):
+      if len(shape) >= 2:
+        self.matrices_of_module.setdefault(m, []).append(i)
 
-    _DUS_COMPUTATIONS[key] = xb.create_computation(
-        "xla_fsdp_dynamic_update_slice", dus, shapes)
-  return torch_xla._XLAC._xla_user_computation("xla::fsdp_dynamic_update_slice",
-                                               [t, update],
-                                               _DUS_COMPUTATIONS[key])[0]
+  def make(self) -> List[torch.Tensor]:
+    """The original parameters, for a forward."""
+    p = self._flat_param
+    if not p._has_full_param:
+      return self._placeholders
+    params = _UnflattenFlatParameter.apply(p)
+    self._holding.append([weakref.ref(t) for t in params])
+    return params
+
+  def free(self) -> None:
+    """Free the tensors that hold data, as the flat parameter is freed."""
+    for refs in self._holding:
+      for ref in refs:
+        t = ref()
+        if t is not None:
+          _swap_data(t, self._placeholder)
+    self._freed.extend(self._holding)
+    self._holding = []
+
+  def point_at_flat_param(self) -> None:
+    """Point the freed tensors at the flat parameter's new full data."""
+    if self._holding:
+      raise RuntimeError(
+          "The original parameters of a flat parameter still hold data it had "
+          "before it was gathered again: they were not freed with it.")
+    slices = None
+    for refs in self._freed:
+      tensors = [ref() for ref in refs]
+      if all(t is None for t in tensors):
+        continue
+      if slices is None:
+        slices = _UnflattenFlatParameter.split(self._flat_param)
+      for t, data in zip(tensors, slices):
+        if t is not None:
+          _swap_data(t, data)
+      self._holding.append(refs)
+    self._freed = []
+
+  def point_again(self, indices: List[int]) -> None:
+    """Point the latest tensors made at ``indices`` at new slices of the
+    flat parameter's data (which the caller has just put behind a barrier).
+    """
+    if not self._holding:
+      return
+    p, refs = self._flat_param, self._holding[-1]
+    for i in indices:
+      t = refs[i]()
+      if t is not None:
+        offset = self._offsets[i]
+        _swap_data(
+            t, p[offset:offset + p._param_numels[i]].view(p._param_shapes[i]))
+
+
+class _UnflattenFlatParameter(torch.autograd.Function):
+  """
+  Split a flat parameter into its original parameters, as tensors of their
+  own rather than views of it. Backward concatenates their gradients (zeros
+  for those that got none) into the gradient of the flat parameter, as the
+  backward of views would sum them.
+  """
+
+  @staticmethod
+  def split(flat_param: FlatParameter) -> List[torch.Tensor]:
+    """Views of ``flat_param``'s data (call without grad)."""
+    out, offset = [], 0
+    for numel, shape in zip(flat_param._param_numels, flat_param._param_shapes):
+      out.append(flat_param[offset:offset + numel].view(shape))
+      offset += numel
+    return out
+
+  @staticmethod
+  def forward(ctx, flat_param: FlatParameter) -> Tuple[torch.Tensor, ...]:
+    ctx.set_materialize_grads(False)
+    ctx.numels = flat_param._param_numels
+    # A clone does not copy in the XLA graph; it gives each parameter a
+    # tensor of its own, whose data can be swapped.
+    return tuple(t.clone() for t in _UnflattenFlatParameter.split(flat_param))
+
+  @staticmethod
+  def backward(ctx, *grads: Optional[torch.Tensor]):
+    some_grad = next(g for g in grads if g is not None)
+    flat_grad = torch.cat([
+        g.reshape(-1) if g is not None else some_grad.new_zeros(numel)
+        for g, numel in zip(grads, ctx.numels)
+    ])
+    return flat_grad
 
 
 def _swap_data(t: torch.Tensor, data: torch.Tensor) -> None:
