@@ -1946,7 +1946,7 @@ class _UnflattenedParams:
       if all(t is None for t in tensors):
         continue
       if slices is None:
-        slices = _UnflattenFlatParameter.split(self._flat_param)
+        slices = list(self._flat_param.get_param_views())
       for t, data in zip(tensors, slices):
         if t is not None:
           _swap_data(t, data)
@@ -1977,21 +1977,12 @@ class _UnflattenFlatParameter(torch.autograd.Function):
   """
 
   @staticmethod
-  def split(flat_param: FlatParameter) -> List[torch.Tensor]:
-    """Views of ``flat_param``'s data (call without grad)."""
-    out, offset = [], 0
-    for numel, shape in zip(flat_param._param_numels, flat_param._param_shapes):
-      out.append(flat_param[offset:offset + numel].view(shape))
-      offset += numel
-    return out
-
-  @staticmethod
   def forward(ctx, flat_param: FlatParameter) -> Tuple[torch.Tensor, ...]:
     ctx.set_materialize_grads(False)
     ctx.numels = flat_param._param_numels
     # A clone does not copy in the XLA graph; it gives each parameter a
     # tensor of its own, whose data can be swapped.
-    return tuple(t.clone() for t in _UnflattenFlatParameter.split(flat_param))
+    return tuple(t.clone() for t in flat_param.get_param_views())
 
   @staticmethod
   def backward(ctx, *grads: Optional[torch.Tensor]):
