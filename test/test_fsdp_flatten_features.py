@@ -416,6 +416,28 @@ class TestFlattenFeatures(SameTrainingMixin, unittest.TestCase):
             # (shape follows the swapped data; numel keeps the creation size)
             self.assertEqual(tuple(m.weight.shape), (1,))
 
+  def test_original_params_tracked_boundedly(self):
+    # Units that keep their gathered data between forwards (the root always,
+    # here all units) and evaluation forwards between training steps: what
+    # each flat parameter tracks of its forwards' tensors must not grow.
+    model = build('no_reshard', True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_batch()
+    for _ in range(4):
+      with torch.no_grad():
+        model(x)
+      optimizer.zero_grad()
+      F.cross_entropy(model(x), y).backward()
+      optimizer.step()
+      torch_xla.sync()
+    flat_params = [
+        p for m in model.modules() if isinstance(m, FSDP) for p in m.full_params
+    ]
+    self.assertTrue(flat_params)
+    for p in flat_params:
+      tracked = p._unflattened_params
+      self.assertLessEqual(len(tracked._holding) + len(tracked._freed), 2)
+
 
 class TestCheckpointRoundTrip(SameTrainingMixin, unittest.TestCase):
 

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 from torch.nn.utils.rnn import PackedSequence
+from torch.utils.weak import WeakIdKeyDictionary
 import torch_xla
 from torch_xla import runtime as xr
 import torch_xla.core.xla_model as xm
@@ -523,7 +524,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         params.append(param)
     # for `_check_params_supported` of an outer unit (weak: the unit may
     # free them)
-    self._unit_param_refs = [weakref.ref(p) for p in params]
+    for p in params:
+      _PARAMS_OF_FSDP_UNITS[p] = True
 
     # For now, it is either all flatten or none flatten.
     if self.flatten_parameters:
@@ -810,7 +812,8 @@ class XlaFullyShardedDataParallel(nn.Module):
                                                    self._dummy_data_placeholder)
         for m, indices in p._unflattened_params.matrices_of_module.items():
           m.register_forward_pre_hook(
-              functools.partial(self._slice_matrices_after_inputs, p, indices))
+              functools.partial(self._slice_matrices_after_inputs, p, indices),
+              with_kwargs=True)
     if self.flatten_parameters:
       # replace the views set at flattening time, which hold the full data
       self._fsdp_wrapped_module._unflatten_params_as_views()
@@ -1568,7 +1571,8 @@ class XlaFullyShardedDataParallel(nn.Module):
 
   @torch.no_grad()
   def _slice_matrices_after_inputs(self, p: FlatParameter, indices: List[int],
-                                   module: nn.Module, args: Any) -> None:
+                                   module: nn.Module, args: Any,
+                                   kwargs: Dict[str, Any]) -> None:
     """
     Forward pre-hook of a submodule that owns matrices of flat parameter
     ``p``: slice them out of ``p`` again, after the submodule's inputs. A
@@ -1578,7 +1582,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     buffer. (Other slices feed elementwise ops and fuse into them.)
     """
     if self.optimization_barrier_in_forward and p._has_full_param:
-      self.optimization_barrier_op([p] + collect_tensors(args))
+      self.optimization_barrier_op([p] + collect_tensors((args, kwargs)))
       p._unflattened_params.point_again(indices)
 
   def _point_unflattened_params(self, p: Parameter) -> None:
@@ -1787,6 +1791,11 @@ class XlaFullyShardedDataParallel(nn.Module):
     recursive_wrap(**auto_wrap_kwargs, **fsdp_kwargs)
 
 
+# The parameters each FSDP unit shards, for `_check_params_supported` of the
+# units wrapping it (weak: a unit frees the parameters it flattens).
+_PARAMS_OF_FSDP_UNITS = WeakIdKeyDictionary()
+
+
 def _check_params_supported(module: nn.Module,
                             auto_wrap_policy: Optional[Callable],
                             flatten_parameters: bool) -> None:
@@ -1817,11 +1826,6 @@ def _check_params_supported(module: nn.Module,
         only_wrap_children=True)
     units.update(would_wrap)
 
-  # ids of live parameters (unique among live objects)
-  owned_by_inner_units = {
-      id(r()) for m in units if isinstance(m, XlaFullyShardedDataParallel)
-      for r in m._unit_param_refs if r() is not None
-  }
   first_use = {}
   first_path = {}
 
@@ -1847,7 +1851,7 @@ def _check_params_supported(module: nn.Module,
             f"is {p.dtype}{flat}. Keep parameters in float32 (e.g. "
             "module.float()); for lower-precision compute, pass "
             "compute_dtype=torch.bfloat16 (or torch.float16).")
-      if id(p) in owned_by_inner_units:
+      if p in _PARAMS_OF_FSDP_UNITS:
         raise ValueError(
             f"Parameter '{name}' is already sharded by an inner FSDP unit, "
             "which would leave this use of it as an untied copy. Wrap the "
@@ -1896,23 +1900,30 @@ class _UnflattenedParams:
     self._placeholder = placeholder
     self._holding: List[List[weakref.ref]] = []
     self._freed: List[List[weakref.ref]] = []
-    # What the submodules hold before the first forward. Made at full size
-    # and then freed, as the unflattened full params are (the full-size value
-    # is never computed): functionalization keeps some of a tensor's size
-    # metadata from its creation, and a module's `weight.shape` stays right.
+    # What the submodules hold while the flat parameter is freed. Made at
+    # full size and then freed, as the unflattened full params are (the
+    # full-size value is never computed): functionalization keeps some of a
+    # tensor's size metadata from its creation.
     self._placeholders = []
     for size in flat_param._param_shapes:
-      t = flat_param.new_empty(size)
+      t = flat_param.new_empty(size).requires_grad_(flat_param.requires_grad)
       _swap_data(t, placeholder)
       self._placeholders.append(t)
     self._offsets = [0]
     for numel in flat_param._param_numels[:-1]:
       self._offsets.append(self._offsets[-1] + numel)
-    # the matrices each submodule owns (see `point_again`)
+    # the matrices each submodule uses, shared ones included (see
+    # `point_again`)
     self.matrices_of_module: Dict[nn.Module, List[int]] = {}
-    for i, ((_, m, _), shape) in enumerate(
+    index = {}
+    for i, ((_, m, n), shape) in enumerate(
         zip(flat_param._param_infos, flat_param._param_shapes)):
+      index[(m, n)] = i
       if len(shape) >= 2:
+        self.matrices_of_module.setdefault(m, []).append(i)
+    for _, _, m, _, shared_m, shared_n in flat_param._shared_param_infos:
+      i = index[(shared_m, shared_n)]
+      if len(flat_param._param_shapes[i]) >= 2:
         self.matrices_of_module.setdefault(m, []).append(i)
 
   def make(self) -> List[torch.Tensor]:
@@ -1921,6 +1932,8 @@ class _UnflattenedParams:
     if not p._has_full_param:
       return self._placeholders
     params = _UnflattenFlatParameter.apply(p)
+    # (what no one holds any more needs no freeing)
+    self._holding = [refs for refs in self._holding if _any_alive(refs)]
     self._holding.append([weakref.ref(t) for t in params])
     return params
 
@@ -1931,7 +1944,9 @@ class _UnflattenedParams:
         t = ref()
         if t is not None:
           _swap_data(t, self._placeholder)
-    self._freed.extend(self._holding)
+    self._freed = [
+        refs for refs in self._freed + self._holding if _any_alive(refs)
+    ]
     self._holding = []
 
   def point_at_flat_param(self) -> None:
@@ -1943,8 +1958,6 @@ class _UnflattenedParams:
     slices = None
     for refs in self._freed:
       tensors = [ref() for ref in refs]
-      if all(t is None for t in tensors):
-        continue
       if slices is None:
         slices = list(self._flat_param.get_param_views())
       for t, data in zip(tensors, slices):
@@ -1968,6 +1981,10 @@ class _UnflattenedParams:
             t, p[offset:offset + p._param_numels[i]].view(p._param_shapes[i]))
 
 
+def _any_alive(refs: List[weakref.ref]) -> bool:
+  return any(ref() is not None for ref in refs)
+
+
 class _UnflattenFlatParameter(torch.autograd.Function):
   """
   Split a flat parameter into its original parameters, as tensors of their
@@ -1986,7 +2003,9 @@ class _UnflattenFlatParameter(torch.autograd.Function):
 
   @staticmethod
   def backward(ctx, *grads: Optional[torch.Tensor]):
-    some_grad = next(g for g in grads if g is not None)
+    some_grad = next((g for g in grads if g is not None), None)
+    if some_grad is None:
+      return None
     flat_grad = torch.cat([
         g.reshape(-1) if g is not None else some_grad.new_zeros(numel)
         for g, numel in zip(grads, ctx.numels)
