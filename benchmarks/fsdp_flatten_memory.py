@@ -4,13 +4,19 @@
 For each world size (1, and 8 simulated on one device) and depth of the
 model from pytorch/xla#5464, measures the training step's compiled graph:
 peak bytes (XLA's own figure and the resident one, which counts a buffer
-updated in place once), graph outputs, all-gathers, reduce-scatters,
+updated in place once), XLA's "Total bytes used" (every allocation of the
+executable: what a device holds for the step), graph outputs, all-gathers, reduce-scatters,
 instructions, compile and step time. Every configuration runs in a process
 of its own, stock torch_xla with TORCH_XLA_FSDP_OVERLAY=0.
 
   python benchmarks/fsdp_flatten_memory.py                # CPU, a few minutes
   python benchmarks/fsdp_flatten_memory.py --layers 2 4 --world-sizes 8
   python benchmarks/fsdp_flatten_memory.py --explain --layers 2 --world-sizes 8
+  python benchmarks/fsdp_flatten_memory.py --pipeline default   # barriers dropped
+  python benchmarks/fsdp_flatten_memory.py --with-speed  # and fsdp_flatten_speed.py
+
+On CPU the step graphs keep FSDP's optimization barriers, as on TPU (XLA's
+CPU pipeline drops them); --pipeline default measures the plain CPU pipeline.
 
 Writes report.json and peak_vs_layers.png to --out (default out/report).
 """
@@ -30,6 +36,14 @@ import fsdp_memory_utils as mu  # noqa: E402
 VARIANTS = [('stock', False), ('stock', True), ('patched', False),
             ('patched', True)]
 MB = 1e6
+# An explicit (empty) list of disabled passes stops the helper from adding
+# its own, which keeps the barriers.
+_PIPELINE_ENV = {
+    'barriers': None,
+    'default': {
+        'XLA_FLAGS': '--xla_disable_hlo_passes='
+    }
+}
 
 
 def label(build, flatten):
@@ -47,6 +61,18 @@ def parse_args(argv):
       '--world-sizes', type=int, nargs='+', default=[1, 8], metavar='W')
   parser.add_argument('--steps', type=int, default=4)
   parser.add_argument('--out', default=os.path.join('out', 'report'))
+  parser.add_argument(
+      '--pipeline',
+      choices=('barriers', 'default'),
+      default='barriers',
+      help='on CPU: keep optimization barriers (as on TPU, the default) or '
+      "use XLA's default CPU pipeline, which drops them")
+  parser.add_argument(
+      '--with-speed',
+      action='store_true',
+      help='then run the speed report (fsdp_flatten_speed.py, with its '
+      'defaults: the many-small- and few-large-parameter models too) into '
+      '--out')
   parser.add_argument(
       '--explain',
       action='store_true',
@@ -82,7 +108,8 @@ def measure_all(args):
         world_size=world_size,
         flatten=flatten,
         steps=args.steps,
-        explain=args.explain)
+        explain=args.explain,
+        env=_PIPELINE_ENV[args.pipeline])
     print(
         f"peak {stats['peak_bytes'] / MB:.1f} MB, "
         f"{time.time() - start:.0f} s so far",
@@ -93,7 +120,8 @@ def measure_all(args):
             build=build,
             flatten=flatten,
             world_size=world_size,
-            layers=layers))
+            layers=layers,
+            pipeline=args.pipeline))
   return results
 
 
@@ -107,14 +135,15 @@ def find(results, build, flatten, world_size, layers):
 
 def print_table(results):
   cols = [('variant', 24), ('ws', 3), ('L', 2), ('peak MB', 8), ('res MB', 8),
-          ('outputs', 7), ('ag', 4), ('rs', 4), ('instrs', 6), ('compile s', 9),
-          ('step ms', 8)]
+          ('total MB', 8), ('outputs', 7), ('ag', 4), ('rs', 4), ('instrs', 6),
+          ('compile s', 9), ('step ms', 8)]
   print()
   print('  '.join(f'{c:>{w}}' for c, w in cols))
   for r in results:
     row = [
         label(r['build'], r['flatten']), r['world_size'], r['layers'],
         f"{r['peak_bytes'] / MB:.1f}", f"{r['peak_resident_bytes'] / MB:.1f}",
+        f"{r['total_allocated_bytes'] / MB:.1f}",
         len(r['output_shapes']), r['num_all_gathers'], r['num_reduce_scatters'],
         r['num_instructions'], f"{r['compile_seconds']:.1f}",
         f"{r['step_seconds'] * 1e3:.0f}"
@@ -205,6 +234,10 @@ def main(argv=None):
     plot(results, os.path.join(args.out, 'peak_vs_layers.png'))
     written.append(os.path.join(args.out, 'peak_vs_layers.png'))
   print('\nwrote ' + ', '.join(written))
+  if args.with_speed:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fsdp_flatten_speed
+    fsdp_flatten_speed.main(['--out', args.out])
 
 
 if __name__ == '__main__':
