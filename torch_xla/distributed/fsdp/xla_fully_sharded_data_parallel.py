@@ -522,9 +522,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     for param in module.parameters():
       if not hasattr(param, "_is_sharded"):
         params.append(param)
-    # for `_check_params_supported` of an outer unit (weak: the unit may
-    # free them)
-    for p in params:
+    for p in params:  # (see `_PARAMS_OF_FSDP_UNITS`)
       _PARAMS_OF_FSDP_UNITS[p] = True
 
     # For now, it is either all flatten or none flatten.
@@ -1958,6 +1956,8 @@ class _UnflattenedParams:
     slices = None
     for refs in self._freed:
       tensors = [ref() for ref in refs]
+      if all(t is None for t in tensors):
+        continue  # (died since freed: no slices for them)
       if slices is None:
         slices = list(self._flat_param.get_param_views())
       for t, data in zip(tensors, slices):
