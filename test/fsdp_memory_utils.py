@@ -69,15 +69,19 @@ DUMP_DIR, _DUMP_DIR_IS_TEMPORARY = _ensure_xla_flags()
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
-import torch_xla.distributed.fsdp.utils as fsdp_utils
 import torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel as fsdp_module
 from torch_xla.distributed.fsdp import (XlaFullyShardedDataParallel as FSDP,
                                         checkpoint_module)
+
+import torch.nn.functional as F
+import torch_xla.distributed.fsdp.utils as fsdp_utils
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+import fsdp_test_utils
+from fsdp_test_utils import count_collectives
 
 # ---------------------------------------------------------------------------
 # The model from pytorch/xla issue 5464, with a configurable number of layers.
@@ -192,44 +196,25 @@ class FaithfulDummyReduceScatter(fsdp_utils.DummyReduceScatter):
 
 @contextlib.contextmanager
 def simulated_world_size(world_size: int, rank: int = 0, faithful: bool = True):
-  """Make FSDP see ``world_size`` ranks on a single XLA device.
+  """``fsdp_test_utils.simulated_world_size``, for memory figures.
 
   Several CPU devices deadlock in collectives with torch_xla 2.9, so world
-  sizes > 1 are simulated: ``xr.world_size()`` and ``xr.global_ordinal()``
-  are patched while the context is active (construction *and* training), and
-  the FSDP kwargs it yields replace the collectives by the ``_debug_dummy_*``
-  ops, which have the shapes of real collectives. Each rank's parameter shard
-  is then what that rank would hold, so sharded state, padding and the sizes
-  of gathered buffers are those of a real run; only the values exchanged
-  differ (every "rank" holds this rank's shard), so use it for memory and
-  graph figures, not for numerics.
-
-  Yields:
-    dict of FSDP constructor kwargs to pass (empty for ``world_size == 1``).
+  sizes > 1 are simulated. With ``faithful``, the dummy collectives are
+  replaced by the faithful ones above, which XLA schedules as it does real
+  collectives.
   """
-  if world_size < 1:
-    raise ValueError(f'world_size must be >= 1, got {world_size}')
-  if not 0 <= rank < world_size:
-    raise ValueError(f'rank must be in [0, {world_size}), got {rank}')
-  if world_size == 1:
-    yield {}
-    return
-  orig = (xr.world_size, xr.global_ordinal, fsdp_module.dummy_all_gather,
-          fsdp_module.dummy_all_reduce, fsdp_module.DummyReduceScatter)
-  xr.world_size = lambda: world_size
-  xr.global_ordinal = lambda: rank
-  if faithful:
+  orig = (fsdp_module.dummy_all_gather, fsdp_module.dummy_all_reduce,
+          fsdp_module.DummyReduceScatter)
+  if faithful and world_size > 1:
     fsdp_module.dummy_all_gather = faithful_dummy_all_gather
     fsdp_module.dummy_all_reduce = faithful_dummy_all_reduce
     fsdp_module.DummyReduceScatter = FaithfulDummyReduceScatter
   try:
-    yield dict(
-        _debug_dummy_all_gather_op=True,
-        _debug_dummy_all_reduce_op=True,
-        _debug_dummy_reduce_scatter_op=True)
+    with fsdp_test_utils.simulated_world_size(world_size, rank) as kwargs:
+      yield kwargs
   finally:
-    (xr.world_size, xr.global_ordinal, fsdp_module.dummy_all_gather,
-     fsdp_module.dummy_all_reduce, fsdp_module.DummyReduceScatter) = orig
+    (fsdp_module.dummy_all_gather, fsdp_module.dummy_all_reduce,
+     fsdp_module.DummyReduceScatter) = orig
 
 
 # ---------------------------------------------------------------------------
@@ -535,55 +520,6 @@ def explain_buffers(live: List[Tuple[str, int]], hlo_text: str,
         'may_be': names.get(shape, []),
     })
   return out
-
-
-class _CountingReduceScatter:
-  """Forwards to an FSDP reduce-scatter op, counting the tensors it takes."""
-
-  def __init__(self, op, counts):
-    object.__setattr__(self, '_op', op)
-    object.__setattr__(self, '_counts', counts)
-
-  def __call__(self, input, callback):
-    self._counts['reduce_scatter'] += 1
-    return self._op(input, callback)
-
-  def __getattr__(self, name):
-    return getattr(self._op, name)
-
-  def __setattr__(self, name, value):
-    setattr(self._op, name, value)
-
-
-@contextlib.contextmanager
-def count_collectives(model: nn.Module):
-  """Count the all-gathers and reduce-scatters FSDP issues while active.
-
-  Counted where FSDP calls them, which works alike for real collectives
-  (with ``pin_layout=True`` an all-gather lowers to an all-reduce in HLO)
-  and for the simulated ones.
-  """
-  counts = {'all_gather': 0, 'reduce_scatter': 0}
-  units = [m for m in model.modules() if isinstance(m, FSDP)]
-  saved = [(m.all_gather_op, m.reduce_scatter_op) for m in units]
-
-  def counting_all_gather(op):
-
-    def all_gather(*args, **kwargs):
-      counts['all_gather'] += 1
-      return op(*args, **kwargs)
-
-    return all_gather
-
-  for m, (all_gather_op, reduce_scatter_op) in zip(units, saved):
-    m.all_gather_op = counting_all_gather(all_gather_op)
-    m.reduce_scatter_op = _CountingReduceScatter(reduce_scatter_op, counts)
-  try:
-    yield counts
-  finally:
-    for m, (all_gather_op, reduce_scatter_op) in zip(units, saved):
-      m.all_gather_op = all_gather_op
-      m.reduce_scatter_op = reduce_scatter_op
 
 
 def measure_training_step(step_fn: Callable[[], None],

@@ -7,7 +7,9 @@ step graph XLA compiles for the report's model, at world size 1 and at a
 simulated world size of 8 (fsdp_memory_utils.simulated_world_size).
 
 Each assertion fails on stock torch_xla: run this file with
-TORCH_XLA_FSDP_OVERLAY=0 to see it.
+TORCH_XLA_FSDP_OVERLAY=0 to see it. This repository's check, not part of the
+upstream change (each measurement compiles the report's model in a process of
+its own, and the comparison with stock needs the overlay).
 """
 
 import collections
@@ -15,9 +17,6 @@ import sys
 import unittest
 
 import fsdp_memory_utils as mu  # first: it sets XLA_FLAGS
-import torch
-import torch_xla
-import torch_xla.distributed.fsdp.utils as fsdp_utils
 
 # (world size, layers); two depths at one world size give the growth per layer.
 CONFIGS = [(1, 2), (8, 2), (8, 4)]
@@ -86,10 +85,11 @@ class TestFlattenStepGraph(unittest.TestCase):
 
 
 class TestFeatureStepGraphs(unittest.TestCase):
-  """Activation checkpointing, no_sync and eval forwards, 2 layers."""
+  """Activation checkpointing, no_sync and eval forwards, 2 layers, at a
+  simulated world size of 8."""
 
   FEATURES = ('checkpoint', 'no_sync', 'eval')
-  WORLD_SIZES = (1, 8)
+  WORLD_SIZES = (8,)
 
   @classmethod
   def setUpClass(cls):
@@ -152,51 +152,6 @@ class TestCollectivesInStepGraph(unittest.TestCase):
         self.assertIn('site-packages', stock['fsdp_file'])
         self.assertGreater(stock['hlo_collectives']['all-reduce'], 0)
         self.assertEqual(fixed['hlo_collectives'], stock['hlo_collectives'])
-
-
-class TestReshardAfterForwardFrees(unittest.TestCase):
-
-  def setUp(self):
-    self.model = mu.wrap_report_model(2, hidden=256, flatten_parameters=True)
-    self.device = torch_xla.device()
-    self.linears = [
-        m for m in self.model.modules() if isinstance(m, torch.nn.Linear)
-    ]
-
-  def assert_freed(self):
-    for linear in self.linears:
-      # No view of any gathered data stays on the modules...
-      self.assertFalse(linear.weight._is_view())
-      # ...and the tensor itself holds only the freed placeholder (its shape
-      # follows the data swapped in; numel keeps the size it was made with).
-      self.assertEqual(tuple(linear.weight.shape), (1,))
-
-  def test_freed_between_forward_and_backward_and_after_step(self):
-    seen_in_forward = []
-    hooks = [
-        m.register_forward_hook(lambda m, i, o: seen_in_forward.append(
-            (tuple(m.weight.shape), m.weight._is_view()))) for m in self.linears
-    ]
-    loss = self.model(torch.randn(4, 256, device=self.device)).sum()
-    for h in hooks:
-      h.remove()
-    self.assertEqual(seen_in_forward, [((256, 256), False)] * 16)
-    self.assert_freed()
-    loss.backward()
-    self.assert_freed()
-    torch_xla.sync()
-    self.assert_freed()
-
-
-class TestDummyReduceScatter(unittest.TestCase):
-
-  def test_returns_a_new_tensor(self):
-    full = torch.arange(8.0, device=torch_xla.device())
-    shards = []
-    with mu.simulated_world_size(4, faithful=False):
-      fsdp_utils.DummyReduceScatter(shard_count=4)(full, shards.append)
-    self.assertFalse(shards[0]._is_view())
-    self.assertEqual(shards[0].cpu().tolist(), [0.0, 1.0])
 
 
 if __name__ == '__main__':

@@ -1,32 +1,31 @@
-"""flatten_parameters=True trains exactly like flatten_parameters=False.
+"""flatten_parameters=True trains like flatten_parameters=False.
 
-Also exactly like stock torch_xla's flatten_parameters=True (run in a child
-process with TORCH_XLA_FSDP_OVERLAY=0), with the same collectives. Compared
-over several AdamW steps: losses, gradient norms (``clip_grad_norm_``) and
-the consolidated checkpoint (``consolidate_sharded_state_dicts``). The model
-nests one FSDP unit per block inside a root unit with parameters of its own,
-and its flat parameters need padding.
+Compared over several AdamW steps, to float32 rounding (more on backends
+whose compilers may fuse the two graphs differently): losses, gradient
+norms (``clip_grad_norm_``) and the consolidated checkpoint
+(``consolidate_sharded_state_dicts``). The model nests one FSDP unit per
+block inside a root unit with parameters of its own, and its flat parameters
+need padding.
 """
 
 import functools
-import os
-import subprocess
 import sys
-import tempfile
 import unittest
 
-import fsdp_memory_utils as mu
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch_xla
+import torch_xla.runtime as xr
 from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 from torch_xla.distributed.fsdp.state_dict_utils import (
     consolidate_sharded_state_dicts)
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
+from fsdp_test_utils import count_collectives
+
 STEPS = 4
-RTOL = 1e-6
+RTOL = 1e-6 if xr.device_type() == 'CPU' else 1e-4
 
 
 class Block(nn.Module):
@@ -68,7 +67,7 @@ def train(flatten_parameters, steps=STEPS):
   losses, grad_norms = [], []
   for _ in range(steps):
     optimizer.zero_grad()
-    with mu.count_collectives(model) as collectives:
+    with count_collectives(model) as collectives:
       loss = F.cross_entropy(model(x), y)
       loss.backward()
     grad_norm = model.clip_grad_norm_(1e9)  # reports the norm, clips nothing
@@ -85,19 +84,6 @@ def train(flatten_parameters, steps=STEPS):
       'collectives': collectives,
       'checkpoint': full
   }
-
-
-def train_stock_flattened():
-  """``train(True)`` with stock torch_xla's FSDP, in a child process."""
-  with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, 'stock.pt')
-    env = dict(os.environ, TORCH_XLA_FSDP_OVERLAY='0')
-    subprocess.run([sys.executable,
-                    os.path.abspath(__file__), '--save', path],
-                   env=env,
-                   check=True,
-                   capture_output=True)
-    return torch.load(path)
 
 
 class TestFlattenParity(unittest.TestCase):
@@ -136,16 +122,7 @@ class TestFlattenParity(unittest.TestCase):
         'reduce_scatter': 4
     })
 
-  @unittest.skipUnless(
-      any(type(f).__name__ == 'FsdpOverlayFinder' for f in sys.meta_path),
-      'needs this change installed as an overlay over a stock torch_xla')
-  def test_same_as_stock_flattened(self):
-    self.assert_same_training(self.flat, train_stock_flattened())
-
 
 if __name__ == '__main__':
-  if '--save' in sys.argv:
-    torch.save(train(True), sys.argv[sys.argv.index('--save') + 1])
-    sys.exit(0)
   test = unittest.main(exit=False)
   sys.exit(0 if test.result.wasSuccessful() else 1)

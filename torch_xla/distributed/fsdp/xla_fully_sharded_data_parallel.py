@@ -172,6 +172,11 @@ class XlaFullyShardedDataParallel(nn.Module):
           if ``True``, apply `xm.optimization_barrier_` on the FSDP module's
           inputs and outputs. This avoids XLA fusion with other forward pass
           computation outside the FSDP module and could save additional memory.
+          With ``flatten_parameters=True``, also on each submodule's inputs
+          before its matrices are sliced out of the flat parameter (in
+          forward, and in the recompute of activation checkpointing), so
+          that a module's copies of its weights are not all made as soon as
+          it is gathered.
       optimization_barrier_in_backward (bool, Optional):
           if ``True``, apply `xm.optimization_barrier_` on the FSDP module's
           backward incoming gradients. This avoids XLA fusion with other
@@ -351,16 +356,18 @@ class XlaFullyShardedDataParallel(nn.Module):
           "and do not perform the forward pass in other ways apart from the `forward` method. "
           "(i.e. you should directly call the FSDP-wrapped module itself in your code, "
           "instead of using any of its submodules or its weights).")
-    # Before anything is wrapped, flattened or sharded, so that a bad module
-    # is left as it was.
-    if flatten_parameters and shard_param_on_dim_0:
-      warnings.warn(
-          "shard_param_on_dim_0=True is ignored with flatten_parameters=True, "
-          "which shards the flattened parameters.")
     if coalesce_all_gather_ops and pin_layout_in_collective_ops:
       raise ValueError(
           "coalesce_all_gather_ops=True needs pin_layout_in_collective_ops="
           "False: xm.all_gather does not pin the layout of a list of tensors.")
+    # Before anything is wrapped, flattened or sharded, so that a bad module
+    # is left as it was.
+    if flatten_parameters and shard_param_on_dim_0:
+      warnings.warn(
+          "shard_param_on_dim_0=True does not apply with "
+          "flatten_parameters=True, which shards the flattened parameters "
+          "(it only pads their shards to a multiple of the world size "
+          "instead of 128 times it).")
     _check_params_supported(module, auto_wrap_policy, flatten_parameters)
 
     super().__init__()
@@ -808,6 +815,8 @@ class XlaFullyShardedDataParallel(nn.Module):
       if isinstance(p, FlatParameter):
         p._unflattened_params = _UnflattenedParams(p,
                                                    self._dummy_data_placeholder)
+        if not self.optimization_barrier_in_forward:
+          continue
         for m, indices in p._unflattened_params.matrices_of_module.items():
           m.register_forward_pre_hook(
               functools.partial(self._slice_matrices_after_inputs, p, indices),
@@ -936,6 +945,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     if self._is_root is None:
       self._set_is_root()
       self._setup_output_hook_and_backward_opt_barrier_lists()
+      self._keep_params_gathered_for_other_units()
 
     if self._is_root and self.disable_reshard_on_root:
       # Don't free the full params for the outer-most (root) instance,
@@ -977,6 +987,53 @@ class XlaFullyShardedDataParallel(nn.Module):
         assert m._is_root is None or not m._is_root
         if m._is_root is None:
           m._is_root = False
+
+  def _keep_params_gathered_for_other_units(self) -> None:
+    """
+    (Root, once.) A module whose parameters one unit flattens may also be
+    called by another unit (a module reached from both, or wrapped twice),
+    outside the forward of the unit that gathers them. That unit then keeps
+    its parameters gathered after forward, as with
+    ``reshard_after_forward=False``, which the other unit's use and its
+    backward need. (Views into the flat parameter used to keep them alive.)
+    """
+    owner = {}
+    units = [
+        m for m in self.modules() if isinstance(m, XlaFullyShardedDataParallel)
+    ]
+    for u in units:
+      for p in u.full_params:
+        if isinstance(p, FlatParameter):
+          for _, m, _ in p._param_infos:
+            owner[m] = u
+          for _, _, m, _, _, _ in p._shared_param_infos:
+            owner[m] = u
+    for v in units:
+      stack, seen = [v._fsdp_wrapped_module], set()
+      while stack:
+        m = stack.pop()
+        seen.add(m)
+        u = owner.get(m)
+        # (a unit inside `u` runs within its forward and backward; the root
+        # is not resharded after forward)
+        if (u is not None and u is not v and u.reshard_after_forward and
+            v not in u.modules() and
+            not (u is self and self.disable_reshard_on_root)):
+          u.reshard_after_forward = u._orig_reshard_after_forward = False
+          names = {
+              id(unit):
+                  n.replace("_fsdp_wrapped_module.", "").replace(
+                      "_fpw_module.", "") or "<root>"
+              for n, unit in self.named_modules()
+          }
+          warnings.warn(
+              f"FSDP unit '{names[id(u)]}' flattens the parameters of a "
+              f"module that FSDP unit '{names[id(v)]}' calls too; it keeps "
+              "them gathered after forward (reshard_after_forward=False). "
+              "Wrap the modules that share a parameter in one FSDP unit.")
+        stack.extend(
+            c for c in m.children()
+            if c not in seen and not isinstance(c, XlaFullyShardedDataParallel))
 
   def _setup_output_hook_and_backward_opt_barrier_lists(self) -> None:
     """
@@ -1579,7 +1636,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     it is gathered, holding a second unit's worth of memory next to the
     buffer. (Other slices feed elementwise ops and fuse into them.)
     """
-    if self.optimization_barrier_in_forward and p._has_full_param:
+    if p._has_full_param:
       self.optimization_barrier_op([p] + collect_tensors((args, kwargs)))
       p._unflattened_params.point_again(indices)
 
@@ -1792,17 +1849,19 @@ class XlaFullyShardedDataParallel(nn.Module):
 # The parameters each FSDP unit shards, for `_check_params_supported` of the
 # units wrapping it (weak: a unit frees the parameters it flattens).
 _PARAMS_OF_FSDP_UNITS = WeakIdKeyDictionary()
+# Those shared by several units, which `_check_params_supported` warned about.
+_UNTIED_PARAMS = WeakIdKeyDictionary()
 
 
 def _check_params_supported(module: nn.Module,
                             auto_wrap_policy: Optional[Callable],
                             flatten_parameters: bool) -> None:
   """
-  Raise a clear error, naming the parameter, for what FSDP cannot shard:
-  a parameter that is not float32 (one flat parameter holds one dtype), or
-  one that is shared between two FSDP units, including units that
-  ``auto_wrap_policy`` would create and units already made (each unit would
-  shard its own copy, silently untying them).
+  Raise a clear error, naming the parameter or module, for what FSDP would
+  fail on later: a parameter that is not float32 (one flat parameter holds
+  one dtype), or, unflattened, a module called by two units (it is freed by
+  one of them). Warn about a parameter that two units use: each shards and
+  trains a copy of its own.
   """
   units = {
       m for m in module.modules() if isinstance(m, XlaFullyShardedDataParallel)
@@ -1824,25 +1883,40 @@ def _check_params_supported(module: nn.Module,
         only_wrap_children=True)
     units.update(would_wrap)
 
-  first_use = {}
-  first_path = {}
+  first_use = {}  # parameter -> (its name, its unit)
+  first_path = {}  # module that auto_wrap_policy wraps -> its path
+  first_unit = {}  # module -> (its path, its unit)
+  untied = []
 
   def visit(m: nn.Module, prefix: str, unit: Tuple[nn.Module, str]) -> None:
+    path = prefix[:-1]
     if m is not module and m in units:
       if isinstance(m, XlaFullyShardedDataParallel):
         return  # its parameters are sharded already
-      other_path = first_path.setdefault(m, prefix[:-1])
-      if other_path != prefix[:-1]:
+      other_path = first_path.setdefault(m, path)
+      if other_path != path:
+        if flatten_parameters:
+          return  # (see `_keep_params_gathered_for_other_units`)
         raise ValueError(
-            f"Module '{prefix[:-1]}' is also module '{other_path}', which "
+            f"Module '{path}' is also module '{other_path}', which "
             "auto_wrap_policy wraps: it would be wrapped twice. Wrap it by "
             "hand before wrapping the model, without auto_wrap_policy.")
-      unit = (m, prefix[:-1])
+      unit = (m, path)
+    other_path, other_unit = first_unit.setdefault(m, (path, unit))
+    if other_unit[0] is not unit[0]:
+      if flatten_parameters:
+        return  # (see `_keep_params_gathered_for_other_units`)
+      raise ValueError(
+          f"Module '{path}' is also module '{other_path}', in another FSDP "
+          f"unit ('{unit[1]}' and '{other_unit[1]}'): one of them would call "
+          "it with its parameters freed. Wrap the modules that share a module "
+          "in one FSDP unit (e.g. leave them out of auto_wrap_policy).")
     for n, p in m._parameters.items():
       if p is None or hasattr(p, "_is_sharded"):
         continue
       name = prefix + n
-      if p.dtype != torch.float32:
+      # (`param_init_fn` materializes a module on the meta device)
+      if p.dtype != torch.float32 and not p.is_meta:
         flat = " (a flat parameter has one dtype)" if flatten_parameters else ""
         raise TypeError(
             f"FSDP only supports float32 parameters, but parameter '{name}' "
@@ -1850,23 +1924,25 @@ def _check_params_supported(module: nn.Module,
             "module.float()); for lower-precision compute, pass "
             "compute_dtype=torch.bfloat16 (or torch.float16).")
       if p in _PARAMS_OF_FSDP_UNITS:
-        raise ValueError(
-            f"Parameter '{name}' is already sharded by an inner FSDP unit, "
-            "which would leave this use of it as an untied copy. Wrap the "
-            "modules that share a parameter in one FSDP unit.")
+        if p not in _UNTIED_PARAMS:
+          untied.append((p, f"'{name}' (also in an FSDP unit made before)"))
+        continue
       other_name, other_unit = first_use.setdefault(p, (name, unit))
       if other_unit[0] is not unit[0]:
-        raise ValueError(
-            f"Parameter '{other_name}' is also used as '{name}', in another "
-            f"FSDP unit ('{other_unit[1]}' and '{unit[1]}'),"
-            " and each unit would shard its own copy of it. Wrap the modules "
-            "that share a parameter in one FSDP unit (e.g. leave them out of "
-            "auto_wrap_policy).")
+        untied.append((p, f"'{name}' (also '{other_name}')"))
     for n, child in m._modules.items():
       if child is not None:
         visit(child, f"{prefix}{n}.", unit)
 
   visit(module, "", (module, "<root>"))
+  if untied:
+    warnings.warn(
+        "Each FSDP unit shards its own copy of a parameter, so these are "
+        "trained untied from their other uses: "
+        f"{', '.join(what for _, what in untied)}. Wrap the modules that "
+        "share a parameter in one FSDP unit.")
+    for p, _ in untied:  # (once, not again by the units auto-wrapped next)
+      _UNTIED_PARAMS[p] = True
 
 
 class _UnflattenedParams:
@@ -2065,7 +2141,7 @@ def collect_tensors(
         out_ids.add(id(x))
         out.append(x)
     elif isinstance(x, PackedSequence):
-      _collect(x, out, out_ids)
+      _collect(x.data, out, out_ids)
     elif isinstance(x, dict) or isinstance(x, OrderedDict):
       for value in x.values():
         _collect(value, out, out_ids)

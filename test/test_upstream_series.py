@@ -1,0 +1,66 @@
+"""The series of upstream patches (upstream/series) is this checkout.
+
+This repository's check, not part of the upstream change: applied in order
+to the pristine base, the patches give exactly the upstream files here, and
+each is a commit a reviewer can take on its own.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, 'scripts', 'make_upstream_patch.py')
+
+
+def run(*args):
+  return subprocess.run([sys.executable, SCRIPT, *args],
+                        capture_output=True,
+                        text=True)
+
+
+class TestUpstreamSeries(unittest.TestCase):
+
+  def test_series_applied_to_the_base_is_the_checkout(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      out = run('--series', tmp)
+      self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+      names = sorted(os.listdir(tmp))
+      texts = []
+      for name in names:
+        with open(os.path.join(tmp, name)) as f:
+          texts.append(f.read())
+    self.assertGreaterEqual(len(names), 2)
+    self.assertIn('flatten_parameters', names[0])
+    self.assertIn('\nFixes #5464.\n', texts[0])
+    for name, text in zip(names, texts):
+      with self.subTest(patch=name):
+        self.assertRegex(text, r'Subject: \[PATCH \d+/\d+\] \[FSDP\] ')
+        self.assertIn('\nTest plan:\n', text)
+        # each patch brings the tests of its change
+        self.assertRegex(text, r'\+\+\+ b/test/test_fsdp_\w+\.py')
+
+  def test_single_patch_is_the_series_squashed(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, 'upstream.patch')
+      out = run('-o', path)
+      self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+      with open(path) as f:
+        squashed = f.read()
+    sys.path.insert(0, os.path.join(ROOT, 'scripts'))
+    from upstream_base import base_commit, git, load_manifest
+    diff = git('diff', '--binary', base_commit(), '--',
+               *load_manifest()['upstream_paths'])
+
+    def hunks(patch):  # (blob abbreviations depend on the repository)
+      return re.sub(r'^index .*\n', '', patch, flags=re.M)
+
+    self.assertEqual(hunks(squashed), hunks(diff))
+
+
+if __name__ == '__main__':
+  test = unittest.main(exit=False)
+  sys.exit(0 if test.result.wasSuccessful() else 1)
