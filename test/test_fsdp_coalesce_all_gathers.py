@@ -18,6 +18,7 @@ import torch_xla
 from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
+import test_utils
 from test_fsdp_flatten_features import SameTrainingMixin, train
 from test_fsdp_flatten_parity import Block, Net
 
@@ -25,7 +26,7 @@ COALESCED = dict(
     coalesce_all_gather_ops=True, pin_layout_in_collective_ops=False)
 
 
-class TestCoalescedAllGathers(SameTrainingMixin, unittest.TestCase):
+class TestCoalescedAllGathers(SameTrainingMixin, test_utils.XlaTestCase):
 
   def test_same_as_one_all_gather_per_parameter(self):
     for flatten in (False, True):

@@ -16,11 +16,12 @@ import torch_xla
 from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
+import test_utils
 from test_fsdp_flatten_features import build
 from test_fsdp_flatten_parity import Block, Net
 
 
-class TestBadInput(unittest.TestCase):
+class TestBadInput(test_utils.XlaTestCase):
   """Clear errors, raised before the module is changed in any way."""
 
   def assert_rejected(self, net, error, message, **kwargs):

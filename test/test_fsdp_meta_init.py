@@ -1,13 +1,16 @@
-"""FSDP units materialized from the meta device train like eager-built ones.
+"""FSDP units whose parameters are made on the XLA device train like those
+built on the CPU.
 
 A ``param_init_fn`` that calls ``module.to_empty(device=...)`` creates the
-parameters on the XLA device. Training must then update the values that each
+parameters on the XLA device, as does a module built there; both are then
+initialized in place. Training must then update the values that each
 forward gathers, for both ``flatten_parameters`` settings, with and without
 functionalization (``XLA_DISABLE_FUNCTIONALIZATION=1``): compared over several
 SGD-momentum steps with the same model built on the CPU, by losses and by the
 consolidated checkpoint.
 """
 
+import itertools
 import sys
 import unittest
 
@@ -18,6 +21,8 @@ from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 from torch_xla.distributed.fsdp.state_dict_utils import (
     consolidate_sharded_state_dicts)
 from torch_xla.distributed.fsdp.wrap import always_wrap_policy
+
+import test_utils
 
 STEPS = 3
 
@@ -57,16 +62,18 @@ def init_with_reset_parameters(module):
     module.reset_parameters()
 
 
-def train(flatten_parameters, meta, auto_wrap):
-  """Losses and the consolidated checkpoint after ``STEPS`` steps."""
+def train(flatten_parameters, init, auto_wrap):
+  """Losses and the consolidated checkpoint after ``STEPS`` steps of the
+  model built on the meta device, on the XLA device or on the CPU (``init``)
+  and initialized by ``reset_parameters()``."""
   kwargs = dict(flatten_parameters=flatten_parameters)
   if auto_wrap:
     kwargs['auto_wrap_policy'] = always_wrap_policy
-  if meta:
+  if init == 'meta':
     model = FSDP(
         Net(device='meta'), param_init_fn=init_with_reset_parameters, **kwargs)
   else:
-    net = Net()
+    net = Net(device=torch_xla.device() if init == 'xla' else None)
     net.reset_parameters()
     model = FSDP(net, **kwargs)
   optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -87,29 +94,28 @@ def train(flatten_parameters, meta, auto_wrap):
   return losses, checkpoint
 
 
-class TestMetaInit(unittest.TestCase):
+class TestMetaInit(test_utils.XlaTestCase):
 
   def test_trains_like_eager_init(self):
-    for flatten_parameters in (False, True):
-      for auto_wrap in (False, True):
-        with self.subTest(
-            flatten_parameters=flatten_parameters, auto_wrap=auto_wrap):
-          losses, checkpoint = train(
-              flatten_parameters, meta=True, auto_wrap=auto_wrap)
-          ref_losses, ref_checkpoint = train(
-              flatten_parameters, meta=False, auto_wrap=auto_wrap)
-          # The model trains: each step's update reaches the next forward.
-          self.assertLess(ref_losses[-1], ref_losses[0])
-          torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
-          self.assertEqual(checkpoint.keys(), ref_checkpoint.keys())
-          for name in ref_checkpoint:
-            self.assertFalse(checkpoint[name].is_meta, name)
-            torch.testing.assert_close(
-                checkpoint[name],
-                ref_checkpoint[name],
-                rtol=1e-6,
-                atol=1e-7,
-                msg=lambda m: f'{name}: {m}')
+    for flatten_parameters, auto_wrap, init in itertools.product(
+        (False, True), (False, True), ('meta', 'xla')):
+      with self.subTest(
+          flatten_parameters=flatten_parameters, auto_wrap=auto_wrap,
+          init=init):
+        losses, checkpoint = train(flatten_parameters, init, auto_wrap)
+        ref_losses, ref_checkpoint = train(flatten_parameters, 'cpu', auto_wrap)
+        # The model trains: each step's update reaches the next forward.
+        self.assertLess(ref_losses[-1], ref_losses[0])
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
+        self.assertEqual(sorted(checkpoint), sorted(ref_checkpoint))
+        for name in ref_checkpoint:
+          self.assertFalse(checkpoint[name].is_meta, name)
+          torch.testing.assert_close(
+              checkpoint[name],
+              ref_checkpoint[name],
+              rtol=1e-6,
+              atol=1e-7,
+              msg=lambda m: f'{name}: {m}')
 
 
 if __name__ == '__main__':
