@@ -164,7 +164,10 @@ class XlaFullyShardedDataParallel(nn.Module):
           then grows with depth as for ``flatten_parameters=False``; a module
           still holds all its gradients (and their concatenation) at a time,
           where unflattened parameters' gradients are reduce-scattered one by
-          one.
+          one. The original parameters hold data only within the module's
+          forward and backward: a module that another FSDP unit also calls
+          makes its unit keep them gathered after forward, as with
+          ``reshard_after_forward=False`` (with a warning).
       execute_sharding_on_init (bool, Optional):
           if ``True``, immediately execute the parameter sharding via
           `torch_xla.sync()` to free up the memory of the full parameters.
@@ -226,6 +229,10 @@ class XlaFullyShardedDataParallel(nn.Module):
           if ``True``, then pin the layout in the collective ops (all_reduce,
           all_gather, and reduce_scatter) in FSDP. See `xm.all_reduce` for
           details on pinning layout.
+      coalesce_all_gather_ops (bool, Optional):
+          if ``True``, all-gather all the parameters of the module in one
+          all-gather of a list of tensors; needs
+          ``pin_layout_in_collective_ops=False``.
       shard_param_on_dim_0 (bool, Optional):
           if ``True``, then shard the parameter tensors only along their first
           dimension (dim 0) *without* flattening them. This is a workaround for
