@@ -83,6 +83,11 @@ def make_net(features):
     net.blocks[1].head = net.head  # a module of two units (blocks.1 flattens)
   if 'wrapped_twice' in features:
     net.blocks.append(net.blocks[0])
+  if 'checkpoint_inside' in features:
+    # two recomputes in one unit's backward
+    for block in net.blocks:
+      block.fc1 = checkpoint_module(block.fc1)
+      block.fc2 = checkpoint_module(block.fc2)
   return net
 
 
@@ -353,8 +358,9 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
     # (features that do not interact are trained together)
     for feature in ('checkpoint+frozen+nonzero_padding+no_sync',
                     'tied+unused_all_steps+no_reshard+eval_first',
-                    'manual_nesting+two_forwards', 'reused_unit',
-                    'reused_checkpoint_inside', 'reused_checkpoint_outside'):
+                    'manual_nesting+two_forwards', 'checkpoint_inside',
+                    'reused_unit', 'reused_checkpoint_inside',
+                    'reused_checkpoint_outside'):
       with self.subTest(feature=feature):
         self.assert_same(train(feature, True), train(feature, False))
 

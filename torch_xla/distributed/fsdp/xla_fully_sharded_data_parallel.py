@@ -595,6 +595,11 @@ class XlaFullyShardedDataParallel(nn.Module):
     # Flag to guard against preparing gradients multiple times per iteration.
     # This is reset at the end of the backward pass.
     self._pre_backward_hook_has_run = False
+    # Whether the last forward was the recompute of activation checkpointing,
+    # and the flat parameters whose freeing waits for the end of backward (see
+    # `_post_backward_hook`).
+    self._forward_in_chkpt_bwd = False
+    self._flat_params_to_free_after_backward: List[Parameter] = []
 
     if execute_sharding_on_init:
       # Execute the parameter sharding immediately and free up the memory
@@ -1062,6 +1067,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     # Start of a forward pass.
     self.training_state = TrainingState.FORWARD
+    self._forward_in_chkpt_bwd = chkpt_status.in_chkpt_bwd
 
     if self.compute_dtype != torch.float32:
       # Cast the input float tensors to the specified compute_dtype
@@ -1355,10 +1361,20 @@ class XlaFullyShardedDataParallel(nn.Module):
       # ``self._require_backward_grad_sync``), since the params will not
       # get updated before the next forward. This saves networking
       # bandwidth but uses more XLA device memory.
-      self._free_full_params(
-          [param],
-          dependency_tensors=[grad],
-          apply_opt_barrier=self.optimization_barrier_in_backward)
+      if (isinstance(param, FlatParameter) and chkpt_status.in_chkpt_bwd and
+          not self._forward_in_chkpt_bwd):
+        # The recompute of a checkpointed submodule, inside this module's
+        # forward, gave this flat parameter part of its gradient; the
+        # recomputes of other submodules still read the parameters. (Views
+        # into the flat parameter used to keep them.) The part is
+        # reduce-scattered now and the rest when it comes.
+        if param not in self._flat_params_to_free_after_backward:
+          self._flat_params_to_free_after_backward.append(param)
+      else:
+        self._free_full_params(
+            [param],
+            dependency_tensors=[grad],
+            apply_opt_barrier=self.optimization_barrier_in_backward)
 
     if not self._require_backward_grad_sync:
       if self._post_backward_hooks_to_call == 0:
@@ -1467,7 +1483,10 @@ class XlaFullyShardedDataParallel(nn.Module):
           assert len(p._shard_bwd_hook) == 2, len(p._shard_bwd_hook)
           p._shard_bwd_hook[1].remove()
           delattr(p, "_shard_bwd_hook")
-      # Free the full params with `requires_grad==False`
+      # Free the full params with `requires_grad==False`, and those kept for
+      # recomputes (see `_post_backward_hook`)
+      frozen_params += fsdp_module._flat_params_to_free_after_backward
+      fsdp_module._flat_params_to_free_after_backward = []
       if frozen_params:
         fsdp_module._free_full_params(
             frozen_params,
