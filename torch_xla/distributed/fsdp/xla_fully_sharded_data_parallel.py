@@ -1368,7 +1368,9 @@ class XlaFullyShardedDataParallel(nn.Module):
         # recomputes of other submodules still read the parameters. (Views
         # into the flat parameter used to keep them.) The part is
         # reduce-scattered now and the rest when it comes.
-        if param not in self._flat_params_to_free_after_backward:
+        # (by identity: `in` would compare tensors by value)
+        if all(
+            p is not param for p in self._flat_params_to_free_after_backward):
           self._flat_params_to_free_after_backward.append(param)
       else:
         self._free_full_params(
