@@ -6,7 +6,12 @@ Trace time (zero_grad, forward, backward and optimizer step, up to
 the machine disturbs less than wall time) and execution time (wall time
 from the sync until the loss is read) of a training step, medians over the timed steps, with the step
 graph's instructions and collectives as traced (the HLO before XLA's
-optimizations). Models:
+optimizations). Two columns explain where time goes on the host: *zero*, the
+trace time of ``zero_grad()`` alone (dropping the gradients frees their
+buffers), and *faults*, the memory a step touches for the first time (minor
+page faults, in MB): the C allocator returns buffers above its mmap threshold
+(32 MB in glibc) to the kernel when freed and gets fresh zeroed pages for the
+next step. Models:
 
   small-<N>  4 FSDP units under a root, flatten on both levels; each unit is
              N/4 residual pairs x + tanh(Linear(LayerNorm(x))) of width 64,
@@ -32,6 +37,7 @@ import glob
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -131,10 +137,12 @@ def child(spec):
     loss_fn = lambda out: out.pow(2).mean()
   optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
   torch_xla.sync()
-  trace, execute = [], []
+  trace, execute, zero, faults = [], [], [], []
   for i in range(spec['warmup'] + spec['steps']):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     c0 = time.thread_time()
     optimizer.zero_grad()
+    cz = time.thread_time()
     loss = loss_fn(model(x))
     loss.backward()
     optimizer.step()
@@ -143,9 +151,12 @@ def child(spec):
     torch_xla.sync()
     loss.item()
     t2 = time.perf_counter()
+    f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     if i >= spec['warmup']:
       trace.append(c1 - c0)
       execute.append(t2 - t1)
+      zero.append(cz - c0)
+      faults.append(f1 - f0)
   # the step graph: the largest graph traced
   before = max(
       glob.glob(os.path.join(dump, '*before_optimizations.txt')),
@@ -154,10 +165,13 @@ def child(spec):
     hlo = f.read()
   shutil.rmtree(dump, ignore_errors=True)
   collectives = mu.count_hlo_collectives(hlo)
+  page_mb = resource.getpagesize() / 2**20
   print(
       json.dumps({
           'trace_ms': 1e3 * statistics.median(trace),
           'exec_ms': 1e3 * statistics.median(execute),
+          'zero_grad_ms': 1e3 * statistics.median(zero),
+          'faults_mb': page_mb * statistics.median(faults),
           'instructions': len(re.findall(r'^\s*(?:ROOT )?%\S+ = ', hlo, re.M)),
           'all_gathers': collectives['all-gather'],
           'reduce_scatters': collectives['reduce-scatter'],
@@ -225,7 +239,7 @@ def measure_all(args):
     for (build, flatten), rs in runs.items():
       row = dict(
           rs[-1], model=model, pipeline=pipeline, build=build, flatten=flatten)
-      for key in ('trace_ms', 'exec_ms'):
+      for key in ('trace_ms', 'exec_ms', 'zero_grad_ms', 'faults_mb'):
         row[key] = statistics.median(r[key] for r in rs)
         row[key + '_runs'] = [r[key] for r in rs]
       row.pop('fsdp_file')
@@ -243,15 +257,17 @@ def find(results, model, pipeline, build, flatten):
 
 def print_table(results):
   cols = [('model', 10), ('pipeline', 8), ('variant', 23), ('trace ms', 8),
-          ('exec ms', 8), ('instrs', 6), ('ag', 3), ('rs', 3), ('ar', 3)]
+          ('exec ms', 8), ('zero ms', 7), ('faults MB', 9), ('instrs', 6),
+          ('ag', 3), ('rs', 3), ('ar', 3)]
   print()
   print('  '.join(f'{c:>{w}}' for c, w in cols))
   for r in results:
     row = [
         r['model'], r['pipeline'],
-        label(r['build'], r['flatten']), f"{r['trace_ms']:.1f}",
-        f"{r['exec_ms']:.1f}", r['instructions'], r['all_gathers'],
-        r['reduce_scatters'], r['all_reduces']
+        label(r['build'],
+              r['flatten']), f"{r['trace_ms']:.1f}", f"{r['exec_ms']:.1f}",
+        f"{r['zero_grad_ms']:.1f}", f"{r['faults_mb']:.0f}", r['instructions'],
+        r['all_gathers'], r['reduce_scatters'], r['all_reduces']
     ]
     print('  '.join(f'{v:>{w}}' for v, (_, w) in zip(row, cols)))
   print('\nPatched flatten=True against (trace / exec, same run):')
