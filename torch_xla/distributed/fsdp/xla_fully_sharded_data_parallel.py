@@ -1217,7 +1217,14 @@ class XlaFullyShardedDataParallel(nn.Module):
       # unnecessarily, it doesn't incur much overhead.
       # Allgather reduction optimization: if this backward is in checkpoint, then we
       # do not allgather here, since the previous recompute forward does not reshard
-      if self.reshard_after_forward and not chkpt_status.in_chkpt_bwd:
+      # Nor once post-backward hooks of this module have run: they freed
+      # parameters whose gradients are complete. (An output that the module
+      # also uses itself, like T5's position bias, gets its gradient midway
+      # through the module's backward; gathered again, those parameters would
+      # stay gathered, and the next forward, which skips gathered parameters,
+      # would compute with their values from before the optimizer step.)
+      if (self.reshard_after_forward and not chkpt_status.in_chkpt_bwd and
+          self.training_state != TrainingState.BACKWARD_POST):
         dependency_tensors = []
         if self.optimization_barrier_in_backward:
           # Ensure that backward pass ops of feature gradients, parameter
