@@ -45,5 +45,7 @@ setup(
     ],
     extras_require={
         'dev': ['yapf==0.40.2', 'matplotlib'],
+        # the transformers models of benchmarks/fsdp_real_models.py
+        'models': ['transformers==5.25.0'],
     },
 )

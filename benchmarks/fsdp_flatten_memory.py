@@ -2,14 +2,19 @@
 """Memory report: stock vs patched FSDP, flatten_parameters False vs True.
 
 For each world size (1, and 8 simulated on one device) and depth of the
-model from pytorch/xla#5464, measures the training step's compiled graph:
+model from pytorch/xla#5464, and for Hugging Face Llama, GPT-2 and T5 built
+from small configs (``fsdp_real_models.py``; ``pip install ".[models]"``),
+or a model of yours (``--models package.module:function``, see
+``fsdp_memory_utils.model_step_stats``), measures the training step's
+compiled graph:
 peak bytes (XLA's own figure and the resident one, which counts a buffer
 updated in place once), XLA's "Total bytes used" (every allocation of the
 executable: what a device holds for the step), graph outputs, all-gathers, reduce-scatters,
 instructions, compile and step time. Every configuration runs in a process
 of its own, stock torch_xla with TORCH_XLA_FSDP_OVERLAY=0.
 
-  python benchmarks/fsdp_flatten_memory.py                # CPU, a few minutes
+  python benchmarks/fsdp_flatten_memory.py                # CPU, about 15 minutes
+  python benchmarks/fsdp_flatten_memory.py --models gpt2 my_pkg.models:build
   python benchmarks/fsdp_flatten_memory.py --layers 2 4 --world-sizes 8
   python benchmarks/fsdp_flatten_memory.py --explain --layers 2 --world-sizes 8
   python benchmarks/fsdp_flatten_memory.py --pipeline default   # barriers dropped
@@ -22,6 +27,7 @@ Writes report.json and peak_vs_layers.png to --out (default out/report).
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -35,6 +41,7 @@ import fsdp_memory_utils as mu  # noqa: E402
 
 VARIANTS = [('stock', False), ('stock', True), ('patched', False),
             ('patched', True)]
+REAL_MODELS = ('llama', 'gpt2', 't5')  # functions of fsdp_real_models
 MB = 1e6
 # An explicit (empty) list of disabled passes stops the helper from adding
 # its own, which keeps the barriers.
@@ -59,6 +66,15 @@ def parse_args(argv):
       '--layers', type=int, nargs='+', default=[2, 4, 8], metavar='N')
   parser.add_argument(
       '--world-sizes', type=int, nargs='+', default=[1, 8], metavar='W')
+  parser.add_argument(
+      '--models',
+      nargs='+',
+      default=['report', *REAL_MODELS],
+      metavar='MODEL',
+      help="'report' (the report's model, at each of --layers), "
+      f"{', '.join(REAL_MODELS)} (transformers), or package.module:function "
+      'returning (module, example batch, classes to wrap as units); '
+      'default: all but your own')
   parser.add_argument('--steps', type=int, default=4)
   parser.add_argument('--out', default=os.path.join('out', 'report'))
   parser.add_argument(
@@ -88,35 +104,66 @@ def parse_args(argv):
   return args
 
 
-def measure_all(args):
-  configs = [(w, l) for w in args.world_sizes for l in args.layers]
+def model_spec(model):
+  """The ``--model`` of fsdp_memory_utils for a --models entry."""
+  return f'fsdp_real_models:{model}' if model in REAL_MODELS else model
+
+
+def configs_of(args):
+  """(model, world size, layers) to measure; layers is None for a model of
+  fixed depth."""
+  configs = []
+  for model in args.models:
+    if model == 'report':
+      configs += [(model, w, l) for w in args.world_sizes for l in args.layers]
+    elif model in REAL_MODELS and importlib.util.find_spec(
+        'transformers') is None:
+      print(f'skipping {model}: needs transformers (pip install ".[models]")')
+    elif model in REAL_MODELS or ':' in model:
+      configs += [(model, w, None) for w in args.world_sizes]
+    else:
+      sys.exit(f'error: unknown model {model!r}: report, '
+               f"{', '.join(REAL_MODELS)} or package.module:function")
   if args.explain:
-    configs = configs[:1]
+    configs = [c for c in configs if c[0] == 'report'][:1]
+  return configs
+
+
+def measure_all(args):
+  configs = configs_of(args)
   if args.explain:
     os.environ['XLA_HLO_DEBUG'] = '1'  # source lines in the children's HLO
+  # the children import fsdp_real_models and the user's packages from here
+  os.environ['PYTHONPATH'] = os.pathsep.join(
+      p for p in (os.path.dirname(os.path.abspath(__file__)), os.getcwd(),
+                  os.environ.get('PYTHONPATH')) if p)
   results = []
   total = len(configs) * len(VARIANTS)
   start = time.time()
-  for i, ((world_size, layers), (build, flatten)) in enumerate(
+  for i, ((model, world_size, layers), (build, flatten)) in enumerate(
       ((c, v) for c in configs for v in VARIANTS), 1):
-    what = (f'world size {world_size}{" (simulated)" if world_size > 1 else ""}'
-            f', {layers} layers, {label(build, flatten)}')
+    what = (
+        f'{model}, world size {world_size}'
+        f'{" (simulated)" if world_size > 1 else ""}'
+        f'{f", {layers} layers" if layers else ""}, {label(build, flatten)}')
     print(f'[{i}/{total}] {what} ...', end=' ', flush=True)
+    kwargs = dict(layers=layers) if layers else dict(model=model_spec(model))
     stats = mu.measure_in_subprocess(
         stock=build == 'stock',
-        layers=layers,
         world_size=world_size,
         flatten=flatten,
         steps=args.steps,
         explain=args.explain,
-        env=_PIPELINE_ENV[args.pipeline])
+        env=_PIPELINE_ENV[args.pipeline],
+        **kwargs)
     print(
-        f"peak {stats['peak_bytes'] / MB:.1f} MB, "
+        f"total {stats['total_allocated_bytes'] / MB:.1f} MB, "
         f"{time.time() - start:.0f} s so far",
         flush=True)
     results.append(
         dict(
             stats,
+            model=model,
             build=build,
             flatten=flatten,
             world_size=world_size,
@@ -125,15 +172,59 @@ def measure_all(args):
   return results
 
 
-def find(results, build, flatten, world_size, layers):
+def find(results, build, flatten, world_size, layers, model='report'):
   for r in results:
-    if (r['build'], r['flatten'], r['world_size'],
-        r['layers']) == (build, flatten, world_size, layers):
+    if (r['model'], r['build'], r['flatten'], r['world_size'],
+        r['layers']) == (model, build, flatten, world_size, layers):
       return r
   return None
 
 
+def print_models_table(results):
+  """One row per model and world size: the four variants side by side."""
+  rows = sorted(
+      {(r['model'], r['world_size']) for r in results if r['model'] != 'report'
+      },
+      key=lambda mw: (args_order(results, mw[0]), mw[1]))
+  if not rows:
+    return
+  print('\nModels (total MB = XLA\'s "Total bytes used"; F = flatten=False, '
+        'T = flatten=True; times in ms):')
+  cols = [('model', 22), ('ws', 3), ('F total', 8), ('stock T', 8),
+          ('fixed T', 8), ('fixed/F', 7), ('outputs F/stock/fixed', 21),
+          ('trace F/stock/fixed', 20), ('exec F/stock/fixed', 20)]
+  print('  '.join(f'{c:>{w}}' for c, w in cols))
+  for model, world_size in rows:
+    f, st, fx = (find(results, build, flatten, world_size, None, model)
+                 for build, flatten in (('patched', False), ('stock', True),
+                                        ('patched', True)))
+    three = lambda key, scale=1, fmt='.0f': '/'.join(f'{r[key] * scale:{fmt}}'
+                                                     for r in (f, st, fx))
+    row = [
+        model[-22:], world_size, f"{f['total_allocated_bytes'] / MB:.1f}",
+        f"{st['total_allocated_bytes'] / MB:.1f}",
+        f"{fx['total_allocated_bytes'] / MB:.1f}",
+        f"{fx['total_allocated_bytes'] / f['total_allocated_bytes']:.2f}x",
+        '/'.join(str(len(r['output_shapes'])) for r in (f, st, fx)),
+        three('trace_seconds', 1e3, '.1f'),
+        three('step_seconds', 1e3)
+    ]
+    print('  '.join(f'{v:>{w}}' for v, (_, w) in zip(row, cols)))
+
+
+def args_order(results, model):
+  return [r['model'] for r in results].index(model)
+
+
 def print_table(results):
+  models = [r for r in results if r['model'] != 'report']
+  results = [r for r in results if r['model'] == 'report']
+  if results:
+    print_report_table(results)
+  print_models_table(models)
+
+
+def print_report_table(results):
   cols = [('variant', 24), ('ws', 3), ('L', 2), ('peak MB', 8), ('res MB', 8),
           ('total MB', 8), ('outputs', 7), ('ag', 4), ('rs', 4), ('instrs', 6),
           ('compile s', 9), ('step ms', 8)]
@@ -230,8 +321,9 @@ def main(argv=None):
   with open(os.path.join(args.out, 'report.json'), 'w') as f:
     json.dump(results, f, indent=1)
   written = [os.path.join(args.out, 'report.json')]
-  if len({r['layers'] for r in results}) > 1:
-    plot(results, os.path.join(args.out, 'peak_vs_layers.png'))
+  if len({r['layers'] for r in results if r['model'] == 'report'}) > 1:
+    plot([r for r in results if r['model'] == 'report'],
+         os.path.join(args.out, 'peak_vs_layers.png'))
     written.append(os.path.join(args.out, 'peak_vs_layers.png'))
   print('\nwrote ' + ', '.join(written))
   if args.with_speed:

@@ -31,7 +31,9 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -148,6 +150,31 @@ def wrap_report_model(num_layers=2,
   return FSDP(model, auto_wrap_policy=policy, **fsdp_kwargs)
 
 
+class GeluBlock(nn.Module):
+  """A GPT-2 MLP block: LayerNorm, Linear with bias, the tanh approximation
+  of GELU in torch ops (as transformers' ``gelu_new``), Linear, residual.
+  XLA may recompute the pre-activation in backward from the first bias."""
+
+  def __init__(self, hidden=512):
+    super().__init__()
+    self.ln = nn.LayerNorm(hidden)
+    self.fc = nn.Linear(hidden, 4 * hidden)
+    self.proj = nn.Linear(4 * hidden, hidden)
+
+  def forward(self, x):
+    y = self.fc(self.ln(x))
+    y = 0.5 * y * (1.0 + torch.tanh(
+        math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+    return x + self.proj(y)
+
+
+def gelu_model(num_layers=2, hidden=512, tokens=8):
+  """A stack of ``GeluBlock``s, an example batch and the unit class: a
+  ``--model`` function (see ``model_step_stats``)."""
+  return (nn.Sequential(*[GeluBlock(hidden) for _ in range(num_layers)]),
+          torch.randn(tokens, hidden), {GeluBlock})
+
+
 # ---------------------------------------------------------------------------
 # Simulated world sizes.
 # ---------------------------------------------------------------------------
@@ -240,6 +267,8 @@ class StepGraphStats:
   num_reduce_scatters: int = 0
   compile_seconds: float = 0.0
   step_seconds: float = 0.0
+  # tracing: the host time of forward, backward and optimizer step
+  trace_seconds: float = 0.0
   tpu_peak_bytes: Optional[int] = None
   explained: Optional[List[dict]] = None
   hlo_path: str = ''
@@ -538,15 +567,17 @@ def measure_training_step(step_fn: Callable[[], None],
     raise ValueError(f'num_steps must be >= 1, got {num_steps}')
   xm.wait_device_ops()
   seen = _module_prefixes()
-  times = []
+  times, traces = [], []
   counts = {'all_gather': 0, 'reduce_scatter': 0}
   for i in range(num_steps):
     counting = (
         count_collectives(model) if model is not None and i == num_steps - 1
         else contextlib.nullcontext(counts))
     t0 = time.perf_counter()
+    c0 = time.thread_time()
     with counting as counts:
       step_fn()
+    traces.append(time.thread_time() - c0)
     torch_xla.sync()
     xm.wait_device_ops()
     times.append(time.perf_counter() - t0)
@@ -560,6 +591,7 @@ def measure_training_step(step_fn: Callable[[], None],
   stats.num_reduce_scatters = counts['reduce_scatter']
   steady = times[2:] or times[1:] or times
   stats.step_seconds = statistics.median(steady)
+  stats.trace_seconds = statistics.median(traces[2:] or traces[1:] or traces)
   stats.compile_seconds = max(0.0, times[0] - stats.step_seconds)
   if xr.device_type() == 'TPU':
     stats.tpu_peak_bytes = xm.get_memory_info().get('peak_bytes_used')
@@ -620,13 +652,77 @@ def report_model_step_stats(num_layers: int = 2,
     return stats
 
 
+def load_model_fn(spec: str) -> Callable:
+  """The function that ``package.module:function`` names."""
+  module_name, sep, fn_name = spec.partition(':')
+  if not (sep and module_name and fn_name):
+    raise ValueError(f'a model is package.module:function, got {spec!r}')
+  try:
+    return getattr(importlib.import_module(module_name), fn_name)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f'cannot load model {spec!r}: {e}') from e
+
+
+def _loss_of(output) -> torch.Tensor:
+  """A model's output if it is a scalar, its ``loss`` (as transformers'
+  outputs with labels), else the mean of its squares."""
+  loss = getattr(output, 'loss', output)
+  if isinstance(loss, (tuple, list)):
+    loss = loss[0]
+  return loss if loss.dim() == 0 else loss.float().pow(2).mean()
+
+
+def model_step_stats(spec: str,
+                     world_size: int = 1,
+                     num_steps: int = 3,
+                     num_layers: Optional[int] = None,
+                     optimizer: str = 'adamw',
+                     **fsdp_kwargs) -> StepGraphStats:
+  """Step-graph stats of training the model that ``spec`` names.
+
+  ``spec`` is ``package.module:function``; the function returns the module
+  (float32, on the CPU), an example batch (a tensor, a tuple of positional
+  tensors or a dict of keyword tensors) and the classes of the submodules
+  to wrap as FSDP units (``transformer_auto_wrap_policy``, plus the root).
+  ``num_layers`` is passed on to the function if given. The loss is
+  ``_loss_of(output)``; ``optimizer`` 'adamw' or 'sgd'; seed 0.
+  """
+  build = load_model_fn(spec)
+  with simulated_world_size(world_size) as sim_kwargs:
+    torch.manual_seed(0)
+    if num_layers is None:
+      module, batch, classes = build()
+    else:
+      module, batch, classes = build(num_layers=num_layers)
+    policy = functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls=set(classes))
+    model = FSDP(module, auto_wrap_policy=policy, **sim_kwargs, **fsdp_kwargs)
+    optimizer_cls = torch.optim.SGD if optimizer == 'sgd' else torch.optim.AdamW
+    opt = optimizer_cls(model.parameters(), lr=1e-3)
+    device = torch_xla.device()
+    if isinstance(batch, dict):
+      kwargs, args = {k: v.to(device) for k, v in batch.items()}, ()
+    else:
+      kwargs = {}
+      args = tuple(
+          t.to(device)
+          for t in (batch if isinstance(batch, (tuple, list)) else (batch,)))
+
+    def step():
+      opt.zero_grad()
+      _loss_of(model(*args, **kwargs)).backward()
+      opt.step()
+
+    return measure_training_step(step, num_steps, model)
+
+
 def measure_in_subprocess(stock: Optional[bool] = None,
                           env: Optional[Dict[str, str]] = None,
                           **kwargs) -> dict:
   """Measure one report-model configuration in a fresh process.
 
   ``kwargs`` are this script's flags (``layers``, ``world_size``,
-  ``flatten``, ``steps``, ``feature``). ``stock=True`` turns the overlay off (stock
+  ``flatten``, ``steps``, ``feature``, ``model``). ``stock=True`` turns the overlay off (stock
   torch_xla FSDP), ``False`` on; ``None`` keeps this process's setting.
   Returns the JSON this script prints, ``StepGraphStats`` fields plus
   ``fsdp_file``. ``env``: more environment variables for the child.
@@ -661,21 +757,36 @@ def cleanup_dumps() -> None:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(
       description='Measure the step graph of the report model and print JSON.')
-  parser.add_argument('--layers', type=int, default=2)
+  parser.add_argument('--layers', type=int)
   parser.add_argument('--world-size', type=int, default=1)
   parser.add_argument('--flatten', type=int, choices=(0, 1), default=1)
   parser.add_argument('--steps', type=int, default=3)
   parser.add_argument('--explain', type=int, choices=(0, 1), default=0)
   parser.add_argument('--feature', choices=FEATURES, default='plain')
+  parser.add_argument(
+      '--model',
+      metavar='PACKAGE.MODULE:FUNCTION',
+      help='measure this model instead of the report\'s (see '
+      'model_step_stats); --layers is passed on to it if given')
+  parser.add_argument('--optimizer', choices=('adamw', 'sgd'), default='adamw')
   args = parser.parse_args(argv)
   try:
-    stats = report_model_step_stats(
-        args.layers,
-        args.world_size,
-        args.steps,
-        explain=bool(args.explain),
-        feature=args.feature,
-        flatten_parameters=bool(args.flatten))
+    if args.model:
+      stats = model_step_stats(
+          args.model,
+          args.world_size,
+          args.steps,
+          num_layers=args.layers,
+          optimizer=args.optimizer,
+          flatten_parameters=bool(args.flatten))
+    else:
+      stats = report_model_step_stats(
+          args.layers or 2,
+          args.world_size,
+          args.steps,
+          explain=bool(args.explain),
+          feature=args.feature,
+          flatten_parameters=bool(args.flatten))
   except ValueError as e:
     sys.exit(f'error: {e}')
   out = dataclasses.asdict(stats)

@@ -3,12 +3,12 @@
 T5's first block computes the position bias, uses it in its own attention
 and returns it for the blocks after it. The gradient of such an output is
 complete only midway through the unit's backward, after the post-backward
-hooks of some of its parameters have freed them; its pre-backward hook must
-not gather those again, or they stay gathered, with their values from before
-the optimizer step, into the next forward (which does not all-gather a
-parameter it holds). Compared with the same model without FSDP over several
-SGD steps, for both ``flatten_parameters`` settings, with and without
-functionalization (``XLA_DISABLE_FUNCTIONALIZATION=1``).
+hooks of some of its parameters have freed them, and its pre-backward hook
+gathers them again. They must not stay gathered, with their values from
+before the optimizer step, into the next forward (which does not all-gather
+a parameter it holds). Compared with the same model without FSDP over
+several SGD steps, for both ``flatten_parameters`` settings, with and
+without functionalization (``XLA_DISABLE_FUNCTIONALIZATION=1``).
 """
 
 import functools

@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 import unittest
+import warnings
 
 import torch
 import torch.nn as nn
@@ -83,6 +84,8 @@ def make_net(features):
     net.blocks[1].head = net.head  # a module of two units (blocks.1 flattens)
   if 'wrapped_twice' in features:
     net.blocks.append(net.blocks[0])
+  if 'reachable_from_root' in features:
+    net.first_fc1 = net.blocks[0].fc1  # a handle, never called by the root
   if 'checkpoint_inside' in features:
     # two recomputes in one unit's backward
     for block in net.blocks:
@@ -376,10 +379,30 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
         train('unused_some_steps', True, momentum=0.0),
         train('unused_some_steps', False, momentum=0.0))
 
+  def test_module_only_reachable_from_another_unit(self):
+    # A handle to a module of another unit, never called there, changes
+    # nothing: no warning, and the unit still frees its parameters after
+    # forward.
+    for flatten in (True, False):
+      with self.subTest(flatten=flatten):
+        with warnings.catch_warnings():
+          warnings.simplefilter('error')
+          losses = train('reachable_from_root', flatten)['losses']
+        torch.testing.assert_close(
+            losses,
+            train_without_fsdp('reachable_from_root'),
+            rtol=1e-5,
+            atol=0)
+        model = build('reachable_from_root', flatten)
+        self.assertTrue(
+            all(m.reshard_after_forward
+                for m in model.modules()
+                if isinstance(m, FSDP) and m is not model))
+
   def test_module_of_two_units(self):
     # A module that one unit flattens and another unit (also) calls: the
-    # first keeps its parameters gathered after forward, as with
-    # reshard_after_forward=False.
+    # first keeps its parameters gathered after forward from the first such
+    # call on, as with reshard_after_forward=False.
     for feature in ('shared_with_root', 'wrapped_twice'):
       with self.subTest(feature=feature):
         with self.assertWarnsRegex(UserWarning,

@@ -58,26 +58,6 @@ class TestBadInput(test_utils.XlaTestCase):
         r"'blocks\.1\.fc2\.bias' is torch\.float16 \(a flat parameter",
         flatten_parameters=True)
 
-  # (flattened, these train: see test_fsdp_flatten_features.py)
-  def test_module_of_two_units_unflattened(self):
-    net = Net()
-    net.blocks[1].head = net.head
-    self.assert_rejected(
-        net,
-        ValueError,
-        r"Module 'head' is also module 'blocks\.1\.head', in another FSDP "
-        r"unit \('<root>' and 'blocks\.1'\)",
-        flatten_parameters=False)
-
-  def test_module_auto_wrapped_twice_unflattened(self):
-    net = Net()
-    net.blocks.append(net.blocks[0])
-    self.assert_rejected(
-        net,
-        ValueError, r"Module 'blocks\.3' is also module 'blocks\.0', "
-        'which auto_wrap_policy wraps',
-        flatten_parameters=False)
-
   def test_parameter_of_two_units_trains_untied(self):
     # as before, each unit trains a copy of its own; now with a warning
     policy = functools.partial(

@@ -164,9 +164,11 @@ class XlaFullyShardedDataParallel(nn.Module):
           then grows with depth as for ``flatten_parameters=False``; a module
           still holds all its gradients (and their concatenation) at a time,
           where unflattened parameters' gradients are reduce-scattered one by
-          one. The original parameters hold data only within the module's
-          forward and backward: a module that another FSDP unit also calls
-          makes its unit keep them gathered after forward, as with
+          one, and its forward copies all its parameters out of the gathered
+          flat parameter at once. The original parameters hold data only
+          within the module's forward and backward: a module that another
+          FSDP unit calls outside this one's forward makes it keep them
+          gathered after forward from then on, as with
           ``reshard_after_forward=False`` (with a warning).
       execute_sharding_on_init (bool, Optional):
           if ``True``, immediately execute the parameter sharding via
@@ -175,11 +177,9 @@ class XlaFullyShardedDataParallel(nn.Module):
           if ``True``, apply `xm.optimization_barrier_` on the FSDP module's
           inputs and outputs. This avoids XLA fusion with other forward pass
           computation outside the FSDP module and could save additional memory.
-          With ``flatten_parameters=True``, also on each submodule's inputs
-          before its matrices are sliced out of the flat parameter (in
-          forward, and in the recompute of activation checkpointing), so
-          that a module's copies of its weights are not all made as soon as
-          it is gathered.
+          With ``flatten_parameters=True``, also on the original parameters
+          that each forward copies out of the gathered flat parameter, so
+          that no computation after it reads the gathered flat parameter.
       optimization_barrier_in_backward (bool, Optional):
           if ``True``, apply `xm.optimization_barrier_` on the FSDP module's
           backward incoming gradients. This avoids XLA fusion with other
@@ -596,10 +596,11 @@ class XlaFullyShardedDataParallel(nn.Module):
     # This is reset at the end of the backward pass.
     self._pre_backward_hook_has_run = False
     # Whether the last forward was the recompute of activation checkpointing,
-    # and the flat parameters whose freeing waits for the end of backward (see
+    # and whether a recompute is of the whole wrapped module (see
     # `_post_backward_hook`).
     self._forward_in_chkpt_bwd = False
-    self._flat_params_to_free_after_backward: List[Parameter] = []
+    self._checkpointed_as_a_whole = hasattr(
+        self.module.module, "_xla_checkpointed_forward_original")
 
     if execute_sharding_on_init:
       # Execute the parameter sharding immediately and free up the memory
@@ -825,14 +826,9 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     for p in self.full_params:
       if isinstance(p, FlatParameter):
-        p._unflattened_params = _UnflattenedParams(p,
-                                                   self._dummy_data_placeholder)
-        if not self.optimization_barrier_in_forward:
-          continue
-        for m, indices in p._unflattened_params.matrices_of_module.items():
-          m.register_forward_pre_hook(
-              functools.partial(self._slice_matrices_after_inputs, p, indices),
-              with_kwargs=True)
+        p._unflattened_params = _UnflattenedParams(
+            p, self._dummy_data_placeholder, self.optimization_barrier_op
+            if self.optimization_barrier_in_forward else None)
     if self.flatten_parameters:
       # replace the views set at flattening time, which hold the full data
       self._fsdp_wrapped_module._unflatten_params_as_views()
@@ -957,7 +953,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     if self._is_root is None:
       self._set_is_root()
       self._setup_output_hook_and_backward_opt_barrier_lists()
-      self._keep_params_gathered_for_other_units()
+      self._watch_calls_from_other_units()
 
     if self._is_root and self.disable_reshard_on_root:
       # Don't free the full params for the outer-most (root) instance,
@@ -1000,19 +996,21 @@ class XlaFullyShardedDataParallel(nn.Module):
         if m._is_root is None:
           m._is_root = False
 
-  def _keep_params_gathered_for_other_units(self) -> None:
+  def _watch_calls_from_other_units(self) -> None:
     """
-    (Root, once.) A module whose parameters one unit flattens may also be
-    called by another unit (a module reached from both, or wrapped twice),
-    outside the forward of the unit that gathers them. That unit then keeps
-    its parameters gathered after forward, as with
-    ``reshard_after_forward=False``, which the other unit's use and its
-    backward need. (Views into the flat parameter used to keep them alive.)
+    (Root, once.) A module whose parameters one unit flattens may be reached
+    from another unit too (a module shared by both, or wrapped twice). If
+    that unit calls it, outside the forward of the unit that gathers its
+    parameters, it would read them freed (views into the flat parameter
+    used to keep them alive). Such a module gets a forward pre-hook, see
+    `_called_by_other_unit`.
     """
+    names = {
+        m: n.replace("_fsdp_wrapped_module.", "").replace("_fpw_module.", "")
+        for n, m in self.named_modules()
+    }
     owner = {}
-    units = [
-        m for m in self.modules() if isinstance(m, XlaFullyShardedDataParallel)
-    ]
+    units = [m for m in names if isinstance(m, XlaFullyShardedDataParallel)]
     for u in units:
       for p in u.full_params:
         if isinstance(p, FlatParameter):
@@ -1020,6 +1018,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             owner[m] = u
           for _, _, m, _, _, _ in p._shared_param_infos:
             owner[m] = u
+    watched = set()
     for v in units:
       stack, seen = [v._fsdp_wrapped_module], set()
       while stack:
@@ -1028,24 +1027,36 @@ class XlaFullyShardedDataParallel(nn.Module):
         u = owner.get(m)
         # (a unit inside `u` runs within its forward and backward; the root
         # is not resharded after forward)
-        if (u is not None and u is not v and u.reshard_after_forward and
+        if (u is not None and u is not v and m not in watched and
             v not in u.modules() and
             not (u is self and self.disable_reshard_on_root)):
-          u.reshard_after_forward = u._orig_reshard_after_forward = False
-          names = {
-              id(unit):
-                  n.replace("_fsdp_wrapped_module.", "").replace(
-                      "_fpw_module.", "") or "<root>"
-              for n, unit in self.named_modules()
-          }
-          warnings.warn(
-              f"FSDP unit '{names[id(u)]}' flattens the parameters of a "
-              f"module that FSDP unit '{names[id(v)]}' calls too; it keeps "
-              "them gathered after forward (reshard_after_forward=False). "
-              "Wrap the modules that share a parameter in one FSDP unit.")
+          watched.add(m)
+          m.register_forward_pre_hook(
+              functools.partial(u._called_by_other_unit, names[u] or "<root>",
+                                names[m]))
         stack.extend(
             c for c in m.children()
             if c not in seen and not isinstance(c, XlaFullyShardedDataParallel))
+
+  def _called_by_other_unit(self, unit_name: str, module_name: str,
+                            module: nn.Module, args: Any) -> None:
+    """
+    Forward pre-hook (see `_watch_calls_from_other_units`): a call outside
+    this unit's forward makes it keep its parameters gathered after forward
+    from then on, as with ``reshard_after_forward=False``, and gathers them
+    now if they are freed.
+    """
+    if self.training_state == TrainingState.FORWARD:
+      return
+    if self.reshard_after_forward:
+      self.reshard_after_forward = self._orig_reshard_after_forward = False
+      warnings.warn(
+          f"Module '{module_name}', whose parameters FSDP unit '{unit_name}' "
+          "flattens, is called outside that unit's forward: the unit keeps "
+          "them gathered after forward (reshard_after_forward=False). Wrap "
+          "the modules that share a module in one FSDP unit.")
+    self._rebuild_full_params(
+        apply_opt_barrier=self.optimization_barrier_in_forward)
 
   def _setup_output_hook_and_backward_opt_barrier_lists(self) -> None:
     """
@@ -1217,14 +1228,7 @@ class XlaFullyShardedDataParallel(nn.Module):
       # unnecessarily, it doesn't incur much overhead.
       # Allgather reduction optimization: if this backward is in checkpoint, then we
       # do not allgather here, since the previous recompute forward does not reshard
-      # Nor once post-backward hooks of this module have run: they freed
-      # parameters whose gradients are complete. (An output that the module
-      # also uses itself, like T5's position bias, gets its gradient midway
-      # through the module's backward; gathered again, those parameters would
-      # stay gathered, and the next forward, which skips gathered parameters,
-      # would compute with their values from before the optimizer step.)
-      if (self.reshard_after_forward and not chkpt_status.in_chkpt_bwd and
-          self.training_state != TrainingState.BACKWARD_POST):
+      if self.reshard_after_forward and not chkpt_status.in_chkpt_bwd:
         dependency_tensors = []
         if self.optimization_barrier_in_backward:
           # Ensure that backward pass ops of feature gradients, parameter
@@ -1362,24 +1366,26 @@ class XlaFullyShardedDataParallel(nn.Module):
           "FSDP only works with gradients that don't require gradients")
 
     grad = param.grad
+    if (isinstance(param, FlatParameter) and
+        self._require_backward_grad_sync and
+        self.gradient_predivide_factor > 1):
+      # (see below) Before the barrier that frees the full params, which
+      # would otherwise keep the undivided flat gradient beside its copy.
+      grad.div_(self.gradient_predivide_factor)
+
     if self._require_backward_grad_sync or self.reshard_after_forward:
       # Free full params. As a special case, we don't free the full params
       # when in a ``no_sync`` context (as inversely indicated by
       # ``self._require_backward_grad_sync``), since the params will not
       # get updated before the next forward. This saves networking
       # bandwidth but uses more XLA device memory.
-      if (isinstance(param, FlatParameter) and chkpt_status.in_chkpt_bwd and
-          not self._forward_in_chkpt_bwd):
-        # The recompute of a checkpointed submodule, inside this module's
-        # forward, gave this flat parameter part of its gradient; the
-        # recomputes of other submodules still read the parameters. (Views
-        # into the flat parameter used to keep them.) The part is
-        # reduce-scattered now and the rest when it comes.
-        # (by identity: `in` would compare tensors by value)
-        if all(
-            p is not param for p in self._flat_params_to_free_after_backward):
-          self._flat_params_to_free_after_backward.append(param)
-      else:
+      # A flat param's gradient may come in parts, one from the recompute of
+      # each checkpointed submodule (inside this module's forward): the next
+      # recompute still reads it, so it is freed at the end of backward, in
+      # `_finalize_parameters`. Each part is reduce-scattered when it comes.
+      if not (isinstance(param, FlatParameter) and chkpt_status.in_chkpt_bwd and
+              not self._forward_in_chkpt_bwd and
+              not self._checkpointed_as_a_whole):
         self._free_full_params(
             [param],
             dependency_tensors=[grad],
@@ -1390,7 +1396,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.reduce_scatter_op.flush()
       return
 
-    if self.gradient_predivide_factor > 1:
+    if (self.gradient_predivide_factor > 1 and
+        not isinstance(param, FlatParameter)):
       # Average grad by world_size for consistency with PyTorch DDP.
       grad.div_(self.gradient_predivide_factor)
 
@@ -1488,14 +1495,20 @@ class XlaFullyShardedDataParallel(nn.Module):
       for p in fsdp_module.full_params:
         if not p.requires_grad:
           frozen_params.append(p)
+        elif p._has_full_param and (fsdp_module._require_backward_grad_sync or
+                                    fsdp_module.reshard_after_forward):
+          # A pre-backward hook gathers all of a module's parameters, also those
+          # whose post-backward hook has freed them already: e.g. for an output
+          # that the module also uses itself (T5's position bias), whose
+          # gradient comes midway through the module's backward. Left gathered,
+          # they would be stale in the next forward, which does not all-gather
+          # a gathered parameter.
+          frozen_params.append(p)
         if hasattr(p, "_shard_bwd_hook"):
           assert len(p._shard_bwd_hook) == 2, len(p._shard_bwd_hook)
           p._shard_bwd_hook[1].remove()
           delattr(p, "_shard_bwd_hook")
-      # Free the full params with `requires_grad==False`, and those kept for
-      # recomputes (see `_post_backward_hook`)
-      frozen_params += fsdp_module._flat_params_to_free_after_backward
-      fsdp_module._flat_params_to_free_after_backward = []
+      # Free the full params with `requires_grad==False`
       if frozen_params:
         fsdp_module._free_full_params(
             frozen_params,
@@ -1658,22 +1671,6 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._point_unflattened_params(p)
 
     self.has_full_params = True
-
-  @torch.no_grad()
-  def _slice_matrices_after_inputs(self, p: FlatParameter, indices: List[int],
-                                   module: nn.Module, args: Any,
-                                   kwargs: Dict[str, Any]) -> None:
-    """
-    Forward pre-hook of a submodule that owns matrices of flat parameter
-    ``p``: slice them out of ``p`` again, after the submodule's inputs. A
-    matrix that feeds a matmul is copied out of the flat buffer, and XLA may
-    otherwise make these copies for all the submodules of a unit as soon as
-    it is gathered, holding a second unit's worth of memory next to the
-    buffer. (Other slices feed elementwise ops and fuse into them.)
-    """
-    if p._has_full_param:
-      self.optimization_barrier_op([p] + collect_tensors((args, kwargs)))
-      p._unflattened_params.point_again(indices)
 
   def _point_unflattened_params(self, p: Parameter) -> None:
     """
@@ -1892,11 +1889,10 @@ def _check_params_supported(module: nn.Module,
                             auto_wrap_policy: Optional[Callable],
                             flatten_parameters: bool) -> None:
   """
-  Raise a clear error, naming the parameter or module, for what FSDP would
-  fail on later: a parameter that is not float32 (one flat parameter holds
-  one dtype), or, unflattened, a module called by two units (it is freed by
-  one of them). Warn about a parameter that two units use: each shards and
-  trains a copy of its own.
+  Raise a clear error, naming the parameter, for what FSDP would fail on
+  later: a parameter that is not float32 (one flat parameter holds one
+  dtype). Warn about a parameter that two units use: each shards and trains
+  a copy of its own.
   """
   units = {
       m for m in module.modules() if isinstance(m, XlaFullyShardedDataParallel)
@@ -1919,33 +1915,16 @@ def _check_params_supported(module: nn.Module,
     units.update(would_wrap)
 
   first_use = {}  # parameter -> (its name, its unit)
-  first_path = {}  # module that auto_wrap_policy wraps -> its path
-  first_unit = {}  # module -> (its path, its unit)
+  first_unit = {}  # module -> its unit
   untied = []
 
   def visit(m: nn.Module, prefix: str, unit: Tuple[nn.Module, str]) -> None:
-    path = prefix[:-1]
     if m is not module and m in units:
       if isinstance(m, XlaFullyShardedDataParallel):
         return  # its parameters are sharded already
-      other_path = first_path.setdefault(m, path)
-      if other_path != path:
-        if flatten_parameters:
-          return  # (see `_keep_params_gathered_for_other_units`)
-        raise ValueError(
-            f"Module '{path}' is also module '{other_path}', which "
-            "auto_wrap_policy wraps: it would be wrapped twice. Wrap it by "
-            "hand before wrapping the model, without auto_wrap_policy.")
-      unit = (m, path)
-    other_path, other_unit = first_unit.setdefault(m, (path, unit))
-    if other_unit[0] is not unit[0]:
-      if flatten_parameters:
-        return  # (see `_keep_params_gathered_for_other_units`)
-      raise ValueError(
-          f"Module '{path}' is also module '{other_path}', in another FSDP "
-          f"unit ('{unit[1]}' and '{other_unit[1]}'): one of them would call "
-          "it with its parameters freed. Wrap the modules that share a module "
-          "in one FSDP unit (e.g. leave them out of auto_wrap_policy).")
+      unit = (m, prefix[:-1])
+    if first_unit.setdefault(m, unit[0]) is not unit[0]:
+      return  # reached from another unit too: visited there
     for n, p in m._parameters.items():
       if p is None or hasattr(p, "_is_sharded"):
         continue
@@ -2002,11 +1981,19 @@ class _UnflattenedParams:
   those in ``_freed`` hold the placeholder. Each list has one entry per
   forward, of weak references: the submodules hold the latest tensors made,
   and autograd those it saved; what no one holds needs no freeing.
+
+  Bound: after a module's forward, and again after its backward, nothing
+  computed from its gathered flat parameter is live except through these
+  tensors, which FSDP frees. With ``optimization_barrier_in_forward``, forward
+  copies them out of the flat parameter behind a barrier, so nothing that XLA
+  fuses or recomputes later can read the gathered flat parameter itself.
   """
 
-  def __init__(self, flat_param: FlatParameter, placeholder: torch.Tensor):
+  def __init__(self, flat_param: FlatParameter, placeholder: torch.Tensor,
+               optimization_barrier_op: Optional[Callable]):
     self._flat_param = flat_param
     self._placeholder = placeholder
+    self._optimization_barrier_op = optimization_barrier_op
     self._holding: List[List[weakref.ref]] = []
     self._freed: List[List[weakref.ref]] = []
     # What the submodules hold while the flat parameter is freed. Made at
@@ -2018,22 +2005,6 @@ class _UnflattenedParams:
       t = flat_param.new_empty(size).requires_grad_(flat_param.requires_grad)
       _swap_data(t, placeholder)
       self._placeholders.append(t)
-    self._offsets = [0]
-    for numel in flat_param._param_numels[:-1]:
-      self._offsets.append(self._offsets[-1] + numel)
-    # the matrices each submodule uses, shared ones included (see
-    # `point_again`)
-    self.matrices_of_module: Dict[nn.Module, List[int]] = {}
-    index = {}
-    for i, ((_, m, n), shape) in enumerate(
-        zip(flat_param._param_infos, flat_param._param_shapes)):
-      index[(m, n)] = i
-      if len(shape) >= 2:
-        self.matrices_of_module.setdefault(m, []).append(i)
-    for _, _, m, _, shared_m, shared_n in flat_param._shared_param_infos:
-      i = index[(shared_m, shared_n)]
-      if len(flat_param._param_shapes[i]) >= 2:
-        self.matrices_of_module.setdefault(m, []).append(i)
 
   def make(self) -> List[torch.Tensor]:
     """The original parameters, for a forward."""
@@ -2041,6 +2012,13 @@ class _UnflattenedParams:
     if not p._has_full_param:
       return self._placeholders
     params = _UnflattenFlatParameter.apply(p)
+    if self._optimization_barrier_op is not None:
+      # Each parameter is then a buffer of its own, copied out once the flat
+      # parameter is gathered: whatever XLA fuses or recomputes later (a bias
+      # read again in backward by the recompute of an activation, say) reads
+      # these, and the gathered flat parameter is freed once they are made.
+      # A slice fused into such a consumer would keep all of it alive.
+      self._optimization_barrier_op(list(params))
     # (what no one holds any more needs no freeing)
     self._holding = [refs for refs in self._holding if _any_alive(refs)]
     self._holding.append([weakref.ref(t) for t in params])
@@ -2077,20 +2055,6 @@ class _UnflattenedParams:
       self._holding.append(refs)
     self._freed = []
 
-  def point_again(self, indices: List[int]) -> None:
-    """Point the latest tensors made at ``indices`` at new slices of the
-    flat parameter's data (which the caller has just put behind a barrier).
-    """
-    if not self._holding:
-      return
-    p, refs = self._flat_param, self._holding[-1]
-    for i in indices:
-      t = refs[i]()
-      if t is not None:
-        offset = self._offsets[i]
-        _swap_data(
-            t, p[offset:offset + p._param_numels[i]].view(p._param_shapes[i]))
-
 
 def _any_alive(refs: List[weakref.ref]) -> bool:
   return any(ref() is not None for ref in refs)
@@ -2108,8 +2072,8 @@ class _UnflattenFlatParameter(torch.autograd.Function):
   def forward(ctx, flat_param: FlatParameter) -> Tuple[torch.Tensor, ...]:
     ctx.set_materialize_grads(False)
     ctx.numels = flat_param._param_numels
-    # A clone does not copy in the XLA graph; it gives each parameter a
-    # tensor of its own, whose data can be swapped.
+    # A clone gives each parameter a tensor of its own, whose data can be
+    # swapped (see `_UnflattenedParams.make`).
     return tuple(t.clone() for t in flat_param.get_param_views())
 
   @staticmethod
@@ -2176,7 +2140,7 @@ def collect_tensors(
         out_ids.add(id(x))
         out.append(x)
     elif isinstance(x, PackedSequence):
-      _collect(x.data, out, out_ids)
+      _collect(x, out, out_ids)
     elif isinstance(x, dict) or isinstance(x, OrderedDict):
       for value in x.values():
         _collect(value, out, out_ids)
