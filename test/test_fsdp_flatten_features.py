@@ -66,10 +66,22 @@ class SometimesBlock(Block):
     return x + self.extra(x) if self.use_extra else x
 
 
+class CallsBeforeOwner(Net):
+  """The root calls a submodule of the last block before that block's unit
+  has run."""
+
+  def __init__(self):
+    super().__init__()
+    self.pre = self.blocks[-1].fc1
+
+  def forward(self, x):
+    return super().forward(x + self.pre(x)[:, :x.shape[1]])
+
+
 def make_net(features):
   """The unwrapped model with ``features`` (a set of names)."""
   torch.manual_seed(0)
-  net = Net()
+  net = CallsBeforeOwner() if 'called_before_owner' in features else Net()
   if 'frozen' in features:
     net.blocks[1].fc1.requires_grad_(False)
   if 'batchnorm' in features:
@@ -403,7 +415,7 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
     # A module that one unit flattens and another unit (also) calls: the
     # first keeps its parameters gathered after forward from the first such
     # call on, as with reshard_after_forward=False.
-    for feature in ('shared_with_root', 'wrapped_twice'):
+    for feature in ('shared_with_root', 'wrapped_twice', 'called_before_owner'):
       with self.subTest(feature=feature):
         with self.assertWarnsRegex(UserWarning,
                                    'keeps them gathered after forward'):

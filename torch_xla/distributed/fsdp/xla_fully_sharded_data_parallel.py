@@ -166,9 +166,9 @@ class XlaFullyShardedDataParallel(nn.Module):
           where unflattened parameters' gradients are reduce-scattered one by
           one, and its forward copies all its parameters out of the gathered
           flat parameter at once. The original parameters hold data only
-          within the module's forward and backward: a module that another
-          FSDP unit calls outside this one's forward makes it keep them
-          gathered after forward from then on, as with
+          while the flat parameter is gathered: a module that another FSDP
+          unit calls outside this one's forward makes it keep them gathered
+          after forward from then on, as with
           ``reshard_after_forward=False`` (with a warning).
       execute_sharding_on_init (bool, Optional):
           if ``True``, immediately execute the parameter sharding via
@@ -179,7 +179,9 @@ class XlaFullyShardedDataParallel(nn.Module):
           computation outside the FSDP module and could save additional memory.
           With ``flatten_parameters=True``, also on the original parameters
           that each forward copies out of the gathered flat parameter, so
-          that no computation after it reads the gathered flat parameter.
+          that, on backends that keep optimization barriers when scheduling
+          (not XLA:CPU's default pipeline), no computation after it reads
+          the gathered flat parameter.
       optimization_barrier_in_backward (bool, Optional):
           if ``True``, apply `xm.optimization_barrier_` on the FSDP module's
           backward incoming gradients. This avoids XLA fusion with other
@@ -1043,8 +1045,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     """
     Forward pre-hook (see `_watch_calls_from_other_units`): a call outside
     this unit's forward makes it keep its parameters gathered after forward
-    from then on, as with ``reshard_after_forward=False``, and gathers them
-    now if they are freed.
+    from then on, as with ``reshard_after_forward=False`` (also after a
+    `_reset_lazy_init`), and gathers them now if they are freed.
     """
     if self.training_state == TrainingState.FORWARD:
       return
@@ -1057,6 +1059,8 @@ class XlaFullyShardedDataParallel(nn.Module):
           "the modules that share a module in one FSDP unit.")
     self._rebuild_full_params(
         apply_opt_barrier=self.optimization_barrier_in_forward)
+    # (before this unit's first forward, its submodules hold placeholders)
+    self._fsdp_wrapped_module._unflatten_params_as_views()
 
   def _setup_output_hook_and_backward_opt_barrier_lists(self) -> None:
     """
@@ -1502,7 +1506,7 @@ class XlaFullyShardedDataParallel(nn.Module):
           # that the module also uses itself (T5's position bias), whose
           # gradient comes midway through the module's backward. Left gathered,
           # they would be stale in the next forward, which does not all-gather
-          # a gathered parameter.
+          # a gathered parameter. (Also freed: those that got no gradient.)
           frozen_params.append(p)
         if hasattr(p, "_shard_bwd_hook"):
           assert len(p._shard_bwd_hook) == 2, len(p._shard_bwd_hook)
@@ -1986,7 +1990,9 @@ class _UnflattenedParams:
   computed from its gathered flat parameter is live except through these
   tensors, which FSDP frees. With ``optimization_barrier_in_forward``, forward
   copies them out of the flat parameter behind a barrier, so nothing that XLA
-  fuses or recomputes later can read the gathered flat parameter itself.
+  fuses or recomputes later can read the gathered flat parameter itself
+  where the compiler keeps the barrier through scheduling (TPU; not the
+  default pipeline of XLA:CPU, which removes barriers before it).
   """
 
   def __init__(self, flat_param: FlatParameter, placeholder: torch.Tensor,
