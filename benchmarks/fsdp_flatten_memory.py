@@ -182,10 +182,11 @@ def find(results, build, flatten, world_size, layers, model='report'):
 
 def print_models_table(results):
   """One row per model and world size: the four variants side by side."""
-  rows = sorted(
-      {(r['model'], r['world_size']) for r in results if r['model'] != 'report'
-      },
-      key=lambda mw: (args_order(results, mw[0]), mw[1]))
+  # (in the order measured)
+  rows = list(
+      dict.fromkeys((r['model'], r['world_size'])
+                    for r in results
+                    if r['model'] != 'report'))
   if not rows:
     return
   print('\nModels (total MB = XLA\'s "Total bytes used"; F = flatten=False, '
@@ -210,10 +211,6 @@ def print_models_table(results):
         three('step_seconds', 1e3)
     ]
     print('  '.join(f'{v:>{w}}' for v, (_, w) in zip(row, cols)))
-
-
-def args_order(results, model):
-  return [r['model'] for r in results].index(model)
 
 
 def print_table(results):
