@@ -10,12 +10,16 @@ exactly this checkout's upstream files.
   python scripts/make_upstream_patch.py --series DIR     # DIR/0001-*.patch ...
   python scripts/make_upstream_patch.py --check ~/pytorch-xla [--series DIR]
 
-The single patch is the series squashed. With ``--check``, the series is
-applied with ``git am --keep-non-patch`` (which keeps the ``[FSDP]`` of the
-titles) to the HEAD of a pytorch/xla checkout instead, each
-patch amended with its lines for upstream's docs and test runner (files that
-are not in the torch_xla wheel, hence not in the base), and what is written
-comes from there. To change a patch: ``git am`` the series onto the base
+The single patch is the series squashed. Each patch also carries its lines
+for upstream's docs and test runner (``upstream_inserts``: files that are
+not in the torch_xla wheel, hence not in the base), which are left out
+when it is applied to the base. With ``--check``, the series is applied
+with ``git am --keep-non-patch`` (which keeps the ``[FSDP]`` of the titles)
+to the HEAD of a pytorch/xla checkout instead, those lines made anew from
+``upstream_inserts``, and what is written comes from there: write the
+series with ``--check`` so that its patches carry them. Written patches
+are authored by ``--author``, or else by git's ``user.name`` and
+``user.email``. To change a patch: ``git am`` the series onto the base
 (``--worktree DIR`` leaves such a repository), amend, and ``git
 format-patch`` it back into ``upstream/series/``.
 """
@@ -50,13 +54,24 @@ def main():
       metavar='PYTORCH_XLA',
       help='a pytorch/xla checkout to apply the series to (git am at HEAD)')
   parser.add_argument(
+      '--author',
+      metavar='"NAME <EMAIL>"',
+      help='the author of the patches written with --series (default: '
+      'git config user.name and user.email)')
+  parser.add_argument(
       '--worktree',
       metavar='DIR',
       help='keep the repository the series was applied in at DIR (with '
       '--check: a worktree of that checkout)')
   args = parser.parse_args()
+  if args.series:
+    args.author = args.author or git_identity()
+    if not re.fullmatch(r'[^<>]+ <[^<>\s]+@[^<>\s]+>', args.author or ''):
+      sys.exit('error: the patches need an author: pass --author "NAME '
+               '<EMAIL>" or set git config user.name and user.email')
 
   manifest = load_manifest()
+  inserts = manifest.get('upstream_inserts', {})
   patches = sorted(
       glob.glob(os.path.join(ROOT, manifest['upstream_series'], '*.patch')))
   if not patches:
@@ -64,7 +79,7 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     base_repo = os.path.join(tmp, 'base')
     make_base_repo(base_repo, manifest['upstream_paths'])
-    apply_series(base_repo, patches)
+    apply_series(base_repo, patches, exclude=inserts, author=args.author)
     if args.worktree and not args.check:  # (kept even if it differs)
       shutil.copytree(base_repo, args.worktree, symlinks=True)
     check_tree(base_repo, manifest['upstream_paths'])
@@ -75,7 +90,8 @@ def main():
       repo = os.path.abspath(args.worktree or os.path.join(tmp, 'xla'))
       git('worktree', 'add', '--detach', repo, 'HEAD', cwd=args.check)
       try:
-        apply_series(repo, patches, manifest['upstream_inserts'])
+        apply_series(
+            repo, patches, inserts, exclude=inserts, author=args.author)
         head = git('rev-parse', '--short=12', f'HEAD~{len(patches)}', cwd=repo)
         print(f'git am: the series applies to {args.check} at {head.strip()}')
         write(repo, len(patches), args)
@@ -83,9 +99,8 @@ def main():
         if not args.worktree:
           git('worktree', 'remove', '--force', repo, cwd=args.check)
     else:
-      if manifest.get('upstream_inserts'):
-        print('note: the lines for upstream\'s ' +
-              ', '.join(manifest['upstream_inserts']) +
+      if args.series:
+        print('note: the lines for upstream\'s ' + ', '.join(inserts) +
               ' need its files; give --check PYTORCH_XLA to include them')
       write(repo, len(patches), args)
 
@@ -106,12 +121,19 @@ def make_base_repo(repo: str, paths) -> None:
   git(*IDENTITY, 'commit', '-q', '-m', f'base ({base[:12]})', cwd=repo)
 
 
-def apply_series(repo: str, patches, inserts=None) -> None:
-  """``git am`` each patch; with ``inserts``, amend each with its lines."""
+def apply_series(repo: str,
+                 patches,
+                 inserts=None,
+                 exclude=(),
+                 author=None) -> None:
+  """``git am`` each patch, without its lines for the files in ``exclude``;
+  with ``inserts``, amend each with its lines made anew; with ``author``,
+  make it the author."""
   ends = {}  # where the previous patch's lines end, in each file
   for number, patch in enumerate(patches, 1):
     result = subprocess.run([
-        'git', *IDENTITY, '-C', repo, 'am', '--quiet', '--keep-non-patch', patch
+        'git', *IDENTITY, '-C', repo, 'am', '--quiet', '--keep-non-patch',
+        *[f'--exclude={path}' for path in exclude], patch
     ],
                             capture_output=True,
                             text=True)
@@ -121,6 +143,14 @@ def apply_series(repo: str, patches, inserts=None) -> None:
     if inserts and insert_lines(repo, number, inserts, ends):
       git('add', '-A', cwd=repo)
       git(*IDENTITY, 'commit', '-q', '--amend', '--no-edit', cwd=repo)
+    if author:
+      git(*IDENTITY,
+          'commit',
+          '-q',
+          '--amend',
+          '--no-edit',
+          f'--author={author}',
+          cwd=repo)
 
 
 def insert_lines(repo: str, number: int, inserts: dict, ends: dict) -> bool:
@@ -155,19 +185,34 @@ def insert_lines(repo: str, number: int, inserts: dict, ends: dict) -> bool:
       sys.exit(f'error: the checkout has no {path}')
     with open(full) as f:
       old = f.read()
-    marker = spec.get('before') or spec['after']
+    # A patch that applies on its own has a place of its own, out of reach
+    # of the other patches' context lines.
+    own = spec.get('after_for_patch', {}).get(str(number))
+    marker = own or spec.get('before') or spec['after']
     if old.count(marker) != 1:
       sys.exit(f'error: {path} has not exactly one "{marker.strip()}" to '
                'insert at; update upstream_base.json')
-    # (after the marker: after what the earlier patches put there)
     i = old.index(marker)
-    if 'after' in spec:
+    if own:
+      i += len(marker)
+    elif 'after' in spec:
+      # (after the marker: after what the earlier patches put there)
       i = ends.get(path, i + len(marker))
     with open(full, 'w') as f:
       f.write(old[:i] + text + old[i:])
-    ends[path] = i + len(text)
+    if not own:
+      ends[path] = i + len(text)
     changed = True
   return changed
+
+
+def git_identity():
+  """git's ``user.name <user.email>`` in this checkout, or None."""
+  try:
+    return (f"{git('config', 'user.name').strip()} "
+            f"<{git('config', 'user.email').strip()}>")
+  except subprocess.CalledProcessError:
+    return None
 
 
 def check_tree(repo: str, paths) -> None:

@@ -17,6 +17,10 @@ import sys
 import unittest
 
 import fsdp_memory_utils as mu  # first: it sets XLA_FLAGS
+import torch
+import torch.nn.functional as F
+import torch_xla
+from test_fsdp_flatten_features import build, make_batch
 
 # (world size, layers); two depths at one world size give the growth per layer.
 CONFIGS = [(1, 2), (8, 2), (8, 4)]
@@ -190,6 +194,33 @@ class TestCollectivesInStepGraph(unittest.TestCase):
         self.assertIn('site-packages', stock['fsdp_file'])
         self.assertGreater(stock['hlo_collectives']['all-reduce'], 0)
         self.assertEqual(fixed['hlo_collectives'], stock['hlo_collectives'])
+
+
+class TestOriginalParamsTrackedBoundedly(unittest.TestCase):
+  """What each flat parameter tracks (weakly) of the original parameters its
+  forwards made does not grow: units that keep their gathered data between
+  forwards (the root always, here all units), evaluation forwards between
+  training steps. (The upstream test counts live XLA tensors.)"""
+
+  def test_tracked_forwards_bounded(self):
+    model = build('no_reshard', True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_batch()
+    for _ in range(4):
+      with torch.no_grad():
+        model(x)
+      optimizer.zero_grad()
+      F.cross_entropy(model(x), y).backward()
+      optimizer.step()
+      torch_xla.sync()
+    flat_params = [
+        p for m in model.modules() if isinstance(m, mu.FSDP)
+        for p in m.full_params
+    ]
+    self.assertTrue(flat_params)
+    for p in flat_params:
+      tracked = p._unflattened_params
+      self.assertLessEqual(len(tracked._holding) + len(tracked._freed), 2)
 
 
 if __name__ == '__main__':

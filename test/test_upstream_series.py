@@ -26,7 +26,7 @@ class TestUpstreamSeries(unittest.TestCase):
 
   def test_series_applied_to_the_base_is_the_checkout(self):
     with tempfile.TemporaryDirectory() as tmp:
-      out = run('--series', tmp)
+      out = run('--series', tmp, '--author', 'A Contributor <a@example.com>')
       self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
       names = sorted(os.listdir(tmp))
       texts = []
@@ -41,8 +41,23 @@ class TestUpstreamSeries(unittest.TestCase):
       with self.subTest(patch=name):
         self.assertRegex(text, r'Subject: \[PATCH \d+/\d+\] \[FSDP\] ')
         self.assertIn('\nTest plan:\n', text)
+        self.assertIn('\nFrom: A Contributor <a@example.com>\n', text)
         # each patch brings the tests of its change
         self.assertRegex(text, r'\+\+\+ b/test/test_fsdp_\w+\.py')
+
+  def test_each_patch_runs_the_tests_it_adds(self):
+    # in upstream's test/run_tests.sh, with and without functionalization
+    # (the lines `--check` makes from upstream_base.json)
+    series = os.path.join(ROOT, 'upstream', 'series')
+    for name in sorted(os.listdir(series)):
+      with open(os.path.join(series, name)) as f:
+        text = f.read()
+      added = re.findall(r'^diff --git a/test/(test_\w+\.py) .*\nnew file',
+                         text, re.M)
+      with self.subTest(patch=name):
+        for test in added:
+          for runner in ('run_test', 'run_test_without_functionalization'):
+            self.assertIn(f'\n+  {runner} "$_TEST_DIR/{test}"\n', text)
 
   def test_single_patch_is_the_series_squashed(self):
     with tempfile.TemporaryDirectory() as tmp:

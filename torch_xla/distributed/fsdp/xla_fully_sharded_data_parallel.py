@@ -33,7 +33,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils.weak import WeakIdKeyDictionary
 import torch_xla
 from torch_xla import runtime as xr
 import torch_xla.core.xla_model as xm
@@ -158,14 +157,16 @@ class XlaFullyShardedDataParallel(nn.Module):
           parameters as tensors of their own, not views into the flat
           parameter, which FSDP frees after forward and re-gathers for
           backward like unflattened full parameters; so the gathered
-          parameters are neither kept until backward nor outputs of the step
-          graph. Their gradients are concatenated into the flat gradient,
-          which is reduce-scattered as one tensor. Memory
-          then grows with depth as for ``flatten_parameters=False``; a module
-          still holds all its gradients (and their concatenation) at a time,
-          where unflattened parameters' gradients are reduce-scattered one by
-          one, and its forward copies all its parameters out of the gathered
-          flat parameter at once. The original parameters hold data only
+          parameters are not outputs of the step graph, nor kept until
+          backward (with ``optimization_barrier_in_forward``: else a
+          computation that the compiler fuses with a slice of the gathered
+          flat parameter may keep it). Their gradients are concatenated
+          into the flat gradient, which is reduce-scattered as one tensor.
+          Memory then grows with depth as for ``flatten_parameters=False``; a
+          module still holds all its gradients (and their concatenation) at a
+          time, where unflattened parameters' gradients are reduce-scattered
+          one by one, and its forward copies all its parameters out of the
+          gathered flat parameter at once. The original parameters hold data only
           while the flat parameter is gathered: a module that another FSDP
           unit calls outside this one's forward makes it keep them gathered
           after forward from then on, as with
@@ -369,15 +370,12 @@ class XlaFullyShardedDataParallel(nn.Module):
       raise ValueError(
           "coalesce_all_gather_ops=True needs pin_layout_in_collective_ops="
           "False: xm.all_gather does not pin the layout of a list of tensors.")
-    # Before anything is wrapped, flattened or sharded, so that a bad module
-    # is left as it was.
     if flatten_parameters and shard_param_on_dim_0:
       warnings.warn(
           "shard_param_on_dim_0=True does not apply with "
           "flatten_parameters=True, which shards the flattened parameters "
           "(it only pads their shards to a multiple of the world size "
           "instead of 128 times it).")
-    _check_params_supported(module, auto_wrap_policy, flatten_parameters)
 
     super().__init__()
 
@@ -538,8 +536,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     for param in module.parameters():
       if not hasattr(param, "_is_sharded"):
         params.append(param)
-    for p in params:  # (see `_PARAMS_OF_FSDP_UNITS`)
-      _PARAMS_OF_FSDP_UNITS[p] = True
+    _check_param_dtypes(module, flatten_parameters)
 
     # For now, it is either all flatten or none flatten.
     if self.flatten_parameters:
@@ -794,9 +791,10 @@ class XlaFullyShardedDataParallel(nn.Module):
       elif not XLA_DISABLE_FUNCTIONALIZATION and not self.flatten_parameters:
         # A parameter made on the XLA device (e.g. by `param_init_fn` on a meta
         # module) wraps its data through `detach()`, which functionalization
-        # records as an alias. Once that data is written in place (as
-        # `reset_parameters()` does), the alias is regenerated from its base
-        # whenever it is read, and `_replace_xla_tensor` on it has no effect:
+        # records as an alias. Once that data is written in place (by a
+        # factory's fill, such as `torch.zeros`, or by `reset_parameters()`),
+        # the alias is regenerated from its base whenever it is read, and
+        # `_replace_xla_tensor` on it has no effect:
         # every forward would read the initial values, not the gathered
         # shards. A copy owns its data, like the result of the cast above.
         # (A FlatParameter is made by flattening, after any such write.)
@@ -1046,9 +1044,10 @@ class XlaFullyShardedDataParallel(nn.Module):
     Forward pre-hook (see `_watch_calls_from_other_units`): a call outside
     this unit's forward makes it keep its parameters gathered after forward
     from then on, as with ``reshard_after_forward=False`` (also after a
-    `_reset_lazy_init`), and gathers them now if they are freed.
+    `_reset_lazy_init`), and gathers them now if they are freed (before its
+    first forward, or after a backward).
     """
-    if self.training_state == TrainingState.FORWARD:
+    if self.training_state == TrainingState.FORWARD or self.has_full_params:
       return
     if self.reshard_after_forward:
       self.reshard_after_forward = self._orig_reshard_after_forward = False
@@ -1666,7 +1665,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.optimization_barrier_op(p_padded_list)
       for (p, p_shard), p_padded in zip(p_to_rebuild, p_padded_list):
         if self._shard_param_on_dim_0:
-          p.data = p_padded[:p_shard._orig_size[0]]
+          _swap_data(p, p_padded[:p_shard._orig_size[0]])
         else:
           _swap_data(
               p,
@@ -1882,85 +1881,20 @@ class XlaFullyShardedDataParallel(nn.Module):
     recursive_wrap(**auto_wrap_kwargs, **fsdp_kwargs)
 
 
-# The parameters each FSDP unit shards, for `_check_params_supported` of the
-# units wrapping it (weak: a unit frees the parameters it flattens).
-_PARAMS_OF_FSDP_UNITS = WeakIdKeyDictionary()
-# Those shared by several units, which `_check_params_supported` warned about.
-_UNTIED_PARAMS = WeakIdKeyDictionary()
-
-
-def _check_params_supported(module: nn.Module,
-                            auto_wrap_policy: Optional[Callable],
-                            flatten_parameters: bool) -> None:
+def _check_param_dtypes(module: nn.Module, flatten_parameters: bool) -> None:
   """
-  Raise a clear error, naming the parameter, for what FSDP would fail on
-  later: a parameter that is not float32 (one flat parameter holds one
-  dtype). Warn about a parameter that two units use: each shards and trains
-  a copy of its own.
+  Raise an error naming the parameter for one that is not float32, which
+  FSDP does not shard (a flat parameter also holds one dtype): where the
+  flattening or the sharding of ``module``'s parameters would fail on it.
   """
-  units = {
-      m for m in module.modules() if isinstance(m, XlaFullyShardedDataParallel)
-  }
-  if auto_wrap_policy is not None and not units:  # (else `_auto_wrap` raises)
-    would_wrap = []
-
-    def record(m, **unused):
-      would_wrap.append(m)
-      return m
-
-    # as `_auto_wrap` would, wrapping nothing (children are set to themselves)
-    recursive_wrap(
-        module,
-        auto_wrap_policy=auto_wrap_policy,
-        wrapper_cls=record,
-        ignored_modules=[],
-        ignored_params=[],
-        only_wrap_children=True)
-    units.update(would_wrap)
-
-  first_use = {}  # parameter -> (its name, its unit)
-  first_unit = {}  # module -> its unit
-  untied = []
-
-  def visit(m: nn.Module, prefix: str, unit: Tuple[nn.Module, str]) -> None:
-    if m is not module and m in units:
-      if isinstance(m, XlaFullyShardedDataParallel):
-        return  # its parameters are sharded already
-      unit = (m, prefix[:-1])
-    if first_unit.setdefault(m, unit[0]) is not unit[0]:
-      return  # reached from another unit too: visited there
-    for n, p in m._parameters.items():
-      if p is None or hasattr(p, "_is_sharded"):
-        continue
-      name = prefix + n
-      # (`param_init_fn` materializes a module on the meta device)
-      if p.dtype != torch.float32 and not p.is_meta:
-        flat = " (a flat parameter has one dtype)" if flatten_parameters else ""
-        raise TypeError(
-            f"FSDP only supports float32 parameters, but parameter '{name}' "
-            f"is {p.dtype}{flat}. Keep parameters in float32 (e.g. "
-            "module.float()); for lower-precision compute, pass "
-            "compute_dtype=torch.bfloat16 (or torch.float16).")
-      if p in _PARAMS_OF_FSDP_UNITS:
-        if p not in _UNTIED_PARAMS:
-          untied.append((p, f"'{name}' (also in an FSDP unit made before)"))
-        continue
-      other_name, other_unit = first_use.setdefault(p, (name, unit))
-      if other_unit[0] is not unit[0]:
-        untied.append((p, f"'{name}' (also '{other_name}')"))
-    for n, child in m._modules.items():
-      if child is not None:
-        visit(child, f"{prefix}{n}.", unit)
-
-  visit(module, "", (module, "<root>"))
-  if untied:
-    warnings.warn(
-        "Each FSDP unit shards its own copy of a parameter, so these are "
-        "trained untied from their other uses: "
-        f"{', '.join(what for _, what in untied)}. Wrap the modules that "
-        "share a parameter in one FSDP unit.")
-    for p, _ in untied:  # (once, not again by the units auto-wrapped next)
-      _UNTIED_PARAMS[p] = True
+  for name, p in module.named_parameters():
+    if p.dtype != torch.float32 and not hasattr(p, "_is_sharded"):
+      flat = " (a flat parameter has one dtype)" if flatten_parameters else ""
+      raise TypeError(
+          f"FSDP only supports float32 parameters, but parameter '{name}' of "
+          f"{type(module).__name__} is {p.dtype}{flat}. Keep parameters in "
+          "float32 (e.g. module.float()); for lower-precision compute, pass "
+          "compute_dtype=torch.bfloat16 (or torch.float16).")
 
 
 class _UnflattenedParams:
