@@ -255,6 +255,28 @@ def train_without_fsdp(feature, steps=STEPS):
   return losses
 
 
+def train_with_eval_forwards(steps=4):
+  """The model with all units resharding not after forward, trained with an
+  evaluation forward before each step, and the number of XLA tensors alive
+  after each step."""
+  model = build('no_reshard', True)
+  optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+  x, y = make_batch()
+  live = []
+  for _ in range(steps):
+    with torch.no_grad():
+      model(x)
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    torch_xla.sync()
+    xm.wait_device_ops()
+    live.append(
+        met.counter_value('CreateXlaTensor') -
+        met.counter_value('DestroyXlaTensor'))
+  return model, live
+
+
 class SameBatchRanks:
   """The collectives of ``world_size`` ranks that all train on the same batch,
   each rank a model of its own on this one device, traced into one graph.
@@ -497,21 +519,7 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
     # Units that keep their gathered data between forwards (the root always,
     # here all units) and evaluation forwards between training steps: the
     # original parameters each forward makes must not pile up.
-    model = build('no_reshard', True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = make_batch()
-    live = []
-    for _ in range(4):
-      with torch.no_grad():
-        model(x)
-      optimizer.zero_grad()
-      F.cross_entropy(model(x), y).backward()
-      optimizer.step()
-      torch_xla.sync()
-      xm.wait_device_ops()
-      live.append(
-          met.counter_value('CreateXlaTensor') -
-          met.counter_value('DestroyXlaTensor'))
+    _, live = train_with_eval_forwards()
     self.assertEqual(len(set(live[1:])), 1, live)
 
 

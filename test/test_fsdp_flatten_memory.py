@@ -17,10 +17,7 @@ import sys
 import unittest
 
 import fsdp_memory_utils as mu  # first: it sets XLA_FLAGS
-import torch
-import torch.nn.functional as F
-import torch_xla
-from test_fsdp_flatten_features import build, make_batch
+from test_fsdp_flatten_features import train_with_eval_forwards
 
 # (world size, layers); two depths at one world size give the growth per layer.
 CONFIGS = [(1, 2), (8, 2), (8, 4)]
@@ -203,16 +200,7 @@ class TestOriginalParamsTrackedBoundedly(unittest.TestCase):
   training steps. (The upstream test counts live XLA tensors.)"""
 
   def test_tracked_forwards_bounded(self):
-    model = build('no_reshard', True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = make_batch()
-    for _ in range(4):
-      with torch.no_grad():
-        model(x)
-      optimizer.zero_grad()
-      F.cross_entropy(model(x), y).backward()
-      optimizer.step()
-      torch_xla.sync()
+    model, _ = train_with_eval_forwards()
     flat_params = [
         p for m in model.modules() if isinstance(m, mu.FSDP)
         for p in m.full_params
