@@ -80,10 +80,21 @@ class CallsBeforeOwner(Net):
     return super().forward(x + self.pre(x)[:, :x.shape[1]])
 
 
+class CallsThroughUnit(Net):
+  """The root also calls a submodule of the first block through that
+  block's attributes (its unit's, once wrapped)."""
+
+  def forward(self, x):
+    return super().forward(x) + self.blocks[0].fc2(
+        self.blocks[0].fc1(x))[:, :10]
+
+
 def make_net(features):
   """The unwrapped model with ``features`` (a set of names)."""
   torch.manual_seed(0)
-  net = CallsBeforeOwner() if 'called_before_owner' in features else Net()
+  net = (
+      CallsBeforeOwner() if 'called_before_owner' in features else
+      CallsThroughUnit() if 'called_through_unit' in features else Net())
   if 'frozen' in features:
     net.blocks[1].fc1.requires_grad_(False)
   if 'batchnorm' in features:
@@ -439,7 +450,8 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
     # A module that one unit flattens and another unit (also) calls: the
     # first keeps its parameters gathered after forward from the first such
     # call on, as with reshard_after_forward=False.
-    for feature in ('shared_with_root', 'wrapped_twice', 'called_before_owner'):
+    for feature in ('shared_with_root', 'wrapped_twice', 'called_before_owner',
+                    'called_through_unit'):
       with self.subTest(feature=feature):
         with self.assertWarnsRegex(UserWarning,
                                    'keeps them gathered after forward'):

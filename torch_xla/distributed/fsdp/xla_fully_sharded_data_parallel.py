@@ -829,6 +829,12 @@ class XlaFullyShardedDataParallel(nn.Module):
         p._unflattened_params = _UnflattenedParams(
             p, self._dummy_data_placeholder, self.optimization_barrier_op
             if self.optimization_barrier_in_forward else None)
+        modules = {m: name for name, m, _ in p._param_infos}
+        modules.update(
+            (m, name) for name, _, m, _, _, _ in p._shared_param_infos)
+        for m, name in modules.items():
+          m.register_forward_pre_hook(
+              functools.partial(self._called_outside_forward, name))
     if self.flatten_parameters:
       # replace the views set at flattening time, which hold the full data
       self._fsdp_wrapped_module._unflatten_params_as_views()
@@ -953,7 +959,6 @@ class XlaFullyShardedDataParallel(nn.Module):
     if self._is_root is None:
       self._set_is_root()
       self._setup_output_hook_and_backward_opt_barrier_lists()
-      self._watch_calls_from_other_units()
 
     if self._is_root and self.disable_reshard_on_root:
       # Don't free the full params for the outer-most (root) instance,
@@ -996,66 +1001,28 @@ class XlaFullyShardedDataParallel(nn.Module):
         if m._is_root is None:
           m._is_root = False
 
-  def _watch_calls_from_other_units(self) -> None:
+  def _called_outside_forward(self, module_name: str, module: nn.Module,
+                              args: Any) -> None:
     """
-    (Root, once.) A module whose parameters one unit flattens may be reached
-    from another unit too (a module shared by both, or wrapped twice). If
-    that unit calls it, outside the forward of the unit that gathers its
-    parameters, it would read them freed (views into the flat parameter
-    used to keep them alive). Such a module gets a forward pre-hook, see
-    `_called_by_other_unit`.
-    """
-    names = {
-        m: n.replace("_fsdp_wrapped_module.", "").replace("_fpw_module.", "")
-        for n, m in self.named_modules()
-    }
-    owner = {}
-    units = [m for m in names if isinstance(m, XlaFullyShardedDataParallel)]
-    for u in units:
-      for p in u.full_params:
-        if isinstance(p, FlatParameter):
-          for _, m, _ in p._param_infos:
-            owner[m] = u
-          for _, _, m, _, _, _ in p._shared_param_infos:
-            owner[m] = u
-    watched = set()
-    for v in units:
-      stack, seen = [v._fsdp_wrapped_module], set()
-      while stack:
-        m = stack.pop()
-        seen.add(m)
-        u = owner.get(m)
-        # (a unit inside `u` runs within its forward and backward; the root
-        # is not resharded after forward)
-        if (u is not None and u is not v and m not in watched and
-            v not in u.modules() and
-            not (u is self and self.disable_reshard_on_root)):
-          watched.add(m)
-          m.register_forward_pre_hook(
-              functools.partial(u._called_by_other_unit, names[u] or "<root>",
-                                names[m]))
-        stack.extend(
-            c for c in m.children()
-            if c not in seen and not isinstance(c, XlaFullyShardedDataParallel))
-
-  def _called_by_other_unit(self, unit_name: str, module_name: str,
-                            module: nn.Module, args: Any) -> None:
-    """
-    Forward pre-hook (see `_watch_calls_from_other_units`): a call outside
-    this unit's forward makes it keep its parameters gathered after forward
-    from then on, as with ``reshard_after_forward=False`` (also after a
-    `_reset_lazy_init`), and gathers them now if they are freed (before its
-    first forward, or after a backward).
+    Forward pre-hook of each submodule whose parameters this module
+    flattens. Called outside this module's forward (by another FSDP unit
+    that shares it, or through this module's attributes), the submodule
+    would read its parameters freed (views into the flat parameter used to
+    keep them alive): this module keeps its parameters gathered after
+    forward from then on, as with ``reshard_after_forward=False`` (also
+    after a `_reset_lazy_init`), and gathers them now.
     """
     if self.training_state == TrainingState.FORWARD or self.has_full_params:
       return
     if self.reshard_after_forward:
       self.reshard_after_forward = self._orig_reshard_after_forward = False
       warnings.warn(
-          f"Module '{module_name}', whose parameters FSDP unit '{unit_name}' "
-          "flattens, is called outside that unit's forward: the unit keeps "
-          "them gathered after forward (reshard_after_forward=False). Wrap "
-          "the modules that share a module in one FSDP unit.")
+          f"Module '{module_name or type(module).__name__}', whose "
+          "parameters the FSDP unit wrapping "
+          f"{type(self.module.module).__name__} flattens, is called outside "
+          "that unit's forward: the unit keeps them gathered after forward "
+          "(reshard_after_forward=False). Call the unit itself, or wrap the "
+          "modules that share a module in one FSDP unit.")
     self._rebuild_full_params(
         apply_opt_barrier=self.optimization_barrier_in_forward)
     # (before this unit's first forward, its submodules hold placeholders)
