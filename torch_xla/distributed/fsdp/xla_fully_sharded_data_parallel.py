@@ -166,9 +166,10 @@ class XlaFullyShardedDataParallel(nn.Module):
           module still holds all its gradients (and their concatenation) at a
           time, where unflattened parameters' gradients are reduce-scattered
           one by one, and its forward copies all its parameters out of the
-          gathered flat parameter at once. The original parameters hold data only
-          while the flat parameter is gathered: a module that another FSDP
-          unit calls outside this one's forward makes it keep them gathered
+          gathered flat parameter at once. The original parameters hold data
+          only while the flat parameter is gathered: a submodule called
+          outside this module's forward (by another FSDP unit that shares it,
+          or through this module's attributes) makes it keep them gathered
           after forward from then on, as with
           ``reshard_after_forward=False`` (with a warning).
       execute_sharding_on_init (bool, Optional):
