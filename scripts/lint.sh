@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 files=$(git ls-files 'torch_xla/*.py' 'test/*.py' 'benchmarks/*.py' 'scripts/*.py' \
-  'torch_xla_fsdp_overlay/*.py' 'setup.py')
+  'torch_xla_fsdp_overlay/*.py' 'docs/experiments/*.py' 'setup.py')
 if ! diff=$(yapf --diff $files); then
   echo "$diff"
   echo "yapf would reformat the files above: run yapf -i on them" >&2
