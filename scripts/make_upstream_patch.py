@@ -140,16 +140,16 @@ def apply_series(repo: str,
     if result.returncode != 0:
       sys.exit(f'error: {os.path.basename(patch)} does not apply:\n'
                f'{result.stdout}{result.stderr}')
-    if inserts and insert_lines(repo, number, inserts, ends):
+    inserted = inserts and insert_lines(repo, number, inserts, ends)
+    if inserted:
       git('add', '-A', cwd=repo)
-      git(*IDENTITY, 'commit', '-q', '--amend', '--no-edit', cwd=repo)
-    if author:
+    if inserted or author:
       git(*IDENTITY,
           'commit',
           '-q',
           '--amend',
           '--no-edit',
-          f'--author={author}',
+          *([f'--author={author}'] if author else []),
           cwd=repo)
 
 
