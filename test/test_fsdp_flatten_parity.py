@@ -55,13 +55,18 @@ class Net(nn.Module):
     return self.head(x)
 
 
-def train(flatten_parameters, steps=STEPS):
-  """Losses, gradient norms, the last step's collectives, final checkpoint."""
+def wrapped_net(flatten_parameters):
+  """``Net`` with each block an FSDP unit under the root."""
   torch.manual_seed(0)
   policy = functools.partial(
       transformer_auto_wrap_policy, transformer_layer_cls={Block})
-  model = FSDP(
+  return FSDP(
       Net(), auto_wrap_policy=policy, flatten_parameters=flatten_parameters)
+
+
+def train(flatten_parameters, steps=STEPS):
+  """Losses, gradient norms, the last step's collectives, final checkpoint."""
+  model = wrapped_net(flatten_parameters)
   optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
   device = torch_xla.device()
   generator = torch.Generator().manual_seed(1)
@@ -92,11 +97,7 @@ def train(flatten_parameters, steps=STEPS):
 def step_graph_outputs(flatten_parameters):
   """The number of outputs of a training step's graph (the device data
   it creates), and of the model's parameters. SGD keeps no state."""
-  torch.manual_seed(0)
-  policy = functools.partial(
-      transformer_auto_wrap_policy, transformer_layer_cls={Block})
-  model = FSDP(
-      Net(), auto_wrap_policy=policy, flatten_parameters=flatten_parameters)
+  model = wrapped_net(flatten_parameters)
   optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
   x = torch.randn(32, 100).to(torch_xla.device())
   for _ in range(2):  # (the second step's)
