@@ -67,8 +67,10 @@ for test in test_fsdp_flatten_parity.py test_fsdp_coalesce_all_gathers.py \
   run_test_without_functionalization "$test"
 done
 
-# This repository's own: the overlay and the series of upstream patches (the
-# memory figures and the comparison with stock torch_xla are above).
+# This repository's own: the overlay, the package users install and the series
+# of upstream patches (the memory figures and the comparison with stock
+# torch_xla are above).
+run_test test_fsdp_package.py
 run_test test_fsdp_overlay.py
 run_test test_upstream_series.py
 wait
