@@ -9,6 +9,7 @@ from the install command's directory, not from the build tree).
 """
 
 import os
+import shutil
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -20,6 +21,12 @@ PTH_LINE = 'import torch_xla_fsdp_overlay; torch_xla_fsdp_overlay.install()\n'
 class BuildPyWithPth(build_py):
 
   def run(self):
+    if not self.editable_mode:
+      # A checkout's build/lib is reused between builds: a file deleted from
+      # the checkout, or one older than its copy there, would be stale.
+      shutil.rmtree(
+          os.path.join(self.build_lib, 'torch_xla_fsdp_overlay'),
+          ignore_errors=True)
     super().run()
     target = (
         self.get_finalized_command('install').install_lib

@@ -84,6 +84,7 @@ class TestFsdpPackage(unittest.TestCase):
   @classmethod
   def setUpClass(cls):
     cls.tmp = tempfile.mkdtemp()
+    cls.addClassCleanup(shutil.rmtree, cls.tmp, ignore_errors=True)
     src = os.path.join(cls.tmp, 'src')
     # The working tree as a clone of it would have it (tracked and new files,
     # nothing that git ignores), so the built files match this checkout.
@@ -107,10 +108,6 @@ class TestFsdpPackage(unittest.TestCase):
                                                                  '*.whl'))[0]
     shutil.rmtree(src)
 
-  @classmethod
-  def tearDownClass(cls):
-    shutil.rmtree(cls.tmp, ignore_errors=True)
-
   def venv(self, wheel):
     parent = tempfile.mkdtemp(dir=self.tmp)
     self.addCleanup(shutil.rmtree, parent, ignore_errors=True)
@@ -126,11 +123,11 @@ class TestFsdpPackage(unittest.TestCase):
             sorted([
                 f'{PACKAGE}.pth', f'{PACKAGE}/__init__.py',
                 f'{PACKAGE}/__main__.py'
-            ] + [f'{PACKAGE}/fsdp/{n}' for n in fixed if n.endswith('.py')]))
+            ] + [f'{PACKAGE}/_fsdp/{n}' for n in fixed if n.endswith('.py')]))
         for name in fixed:
           if name.endswith('.py'):
             self.assertEqual(
-                zf.read(f'{PACKAGE}/fsdp/{name}'),
+                zf.read(f'{PACKAGE}/_fsdp/{name}'),
                 read(os.path.join(FSDP_DIR, name)), name)
 
   def test_installed_wheel_serves_its_own_fixed_files(self):
@@ -139,7 +136,7 @@ class TestFsdpPackage(unittest.TestCase):
         venv = self.venv(wheel)
         got = venv.probe()
         self.assertEqual(got['warnings'], [])
-        fixed = os.path.join(venv.site, PACKAGE, 'fsdp')
+        fixed = os.path.join(venv.site, PACKAGE, '_fsdp')
         for key in ('package', 'module'):
           self.assertEqual(os.path.dirname(got[key]), fixed)
           self.assertEqual(

@@ -1,7 +1,8 @@
 """Serve ``torch_xla.distributed.fsdp`` from this package.
 
 The package carries the fixed ``torch_xla/distributed/fsdp/`` files as its
-subpackage ``torch_xla_fsdp_overlay.fsdp``: copied into the wheel at build
+private subpackage ``torch_xla_fsdp_overlay._fsdp`` (import them only as
+``torch_xla.distributed.fsdp``): copied into the wheel at build
 time, or the checkout's own files in an editable install. The file
 ``torch_xla_fsdp_overlay.pth``, installed at the top of site-packages, runs
 :func:`install` at interpreter start-up, which puts a meta-path finder in
@@ -9,7 +10,7 @@ front of the import system: ``torch_xla.distributed.fsdp`` and its submodules
 then load from those files, while the rest of torch_xla comes from the stock
 wheel.
 
-Environment:
+Environment (read when Python starts):
   TORCH_XLA_FSDP_OVERLAY=0  use the stock wheel's fsdp package, silently.
 
 The files are written against one torch_xla release (``TORCH_XLA_VERSION``).
@@ -19,7 +20,6 @@ reason: mixing the files with a different torch_xla could break silently.
 ``python -m torch_xla_fsdp_overlay`` says whether the fix is active.
 """
 
-import importlib.util
 import os
 import sys
 import warnings
@@ -42,7 +42,9 @@ def _installed_torch_xla_version():
 
 def fsdp_dir():
   """The directory of the fixed fsdp files, or None where they are missing."""
-  spec = importlib.util.find_spec(__name__ + '.fsdp')
+  # Imported here, not at start-up, where the .pth file imports this module.
+  import importlib.util
+  spec = importlib.util.find_spec(__name__ + '._fsdp')
   if spec is None or not spec.submodule_search_locations:
     return None
   path = list(spec.submodule_search_locations)[0]
@@ -60,7 +62,7 @@ def inactive_reason():
     return (f'these files patch torch_xla {TORCH_XLA_VERSION}, but torch_xla '
             f'{installed} is installed: install torch-xla=={TORCH_XLA_VERSION}')
   if fsdp_dir() is None:
-    return (f'the fixed files ({__name__}.fsdp) are missing: re-install '
+    return (f'the fixed files ({__name__}._fsdp) are missing: re-install '
             'torch-xla-fsdp-flatten-fix')
   return None
 
@@ -75,17 +77,18 @@ class FsdpOverlayFinder:
   def directory(self):
     """The fixed files' directory; warns once and gives None if unusable."""
     if not self._checked:
-      self._checked = True
       reason = inactive_reason()
-      if reason is None:
-        self._dir = fsdp_dir()
-      else:
+      if reason is not None:
+        # stacklevel 3: the import statement, past importlib's frames. Raised
+        # as an error (-W error), it is raised again at the next import.
         warnings.warn(
             f'torch_xla_fsdp_overlay: the fix for FSDP flatten_parameters=True '
             f'(pytorch/xla#5464) is NOT active, {PACKAGE} is stock torch_xla\'s: '
             f'{reason} (or set {ENV_VAR}=0 to use stock without this warning).',
             RuntimeWarning,
-            stacklevel=2)
+            stacklevel=3)
+      self._dir = fsdp_dir() if reason is None else None
+      self._checked = True
     return self._dir
 
   def find_spec(self, fullname, path=None, target=None):
@@ -94,6 +97,7 @@ class FsdpOverlayFinder:
     directory = self.directory()
     if directory is None:
       return None
+    import importlib.util
     rel = fullname[len(PACKAGE):].lstrip('.').replace('.', os.sep)
     if not rel:
       return importlib.util.spec_from_file_location(
