@@ -1,0 +1,565 @@
+#!/usr/bin/env python3
+"""Memory of the FSDP training step on the TPU compiler and on XLA:GPU.
+
+XLA:CPU's buffer assignment (``fsdp_memory_utils``) is a fast check, but the
+compilers that run FSDP for users schedule and fuse differently. Both can
+run here without a chip: the TPU compiler (libtpu, through jax's
+compile-only client on a TPU topology) and XLA:GPU (jax's CUDA plugin
+compiling for one of XLA's GPU target specs).
+
+A step is traced once per variant (stock or fixed FSDP, flatten_parameters
+False or True) at world size 8 with real collectives: 8 CPU devices
+(``PJRT_DEVICE=CPU CPU_NUM_DEVICES=8``, ``torch_xla.launch``) trace it and
+XLA:CPU dumps the step module (the one with a reduce-scatter) before
+compiling it. Executing its collectives may hang on CPU, so the tracing
+processes are ended as soon as that dump is complete. The module is then
+compiled deviceless, each compile in a process of its own (libtpu serves one
+process at a time), and the figure is the compiler's own allocation for the
+step: argument + output + temp - alias bytes
+(``get_compiled_memory_stats()``).
+
+  python benchmarks/fsdp_compiler_memory.py --layers 2 4
+  python benchmarks/fsdp_compiler_memory.py --targets tpu-v5e gpu-a100 --json out.json
+
+Needs ``jax[tpu]==0.10.2`` for the TPU targets and ``jax-cuda12-plugin==0.10.2
+jax-cuda12-pjrt==0.10.2`` for the GPU ones (no NVIDIA libraries needed).
+"""
+
+import argparse
+import glob
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Tuple
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_HERE)
+GPU_SPECS_DIR = os.environ.get(
+    'FSDP_GPU_TARGET_SPECS',
+    os.path.join(os.path.dirname(_REPO), 'shared', 'gpu_target_specs'))
+
+# name: (platform, topology name or GPU target spec file)
+TARGETS = {
+    'tpu-v5e': ('tpu', 'v5e:2x4'),
+    'tpu-v4': ('tpu', 'v4:2x2x1'),
+    'tpu-v5p': ('tpu', 'v5p:2x2x2'),
+    'tpu-v6e': ('tpu', 'v6e:2x4'),
+    'gpu-a100': ('cuda', 'a100_sxm_80.txtpb'),
+    'gpu-h100': ('cuda', 'h100_sxm.txtpb'),
+}
+DEFAULT_TARGETS = ('tpu-v5e', 'gpu-a100', 'gpu-h100')
+WORLD_SIZE = 8
+MB = 1e6
+# Changes with what _trace_worker traces (a key of the trace cache).
+TRACE_VERSION = 1
+# The report's batch (per device) and the model's width.
+_BATCH, _HIDDEN = 64, 1280
+
+
+def progress(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Availability of the compilers.
+# ---------------------------------------------------------------------------
+
+
+def missing(target: str) -> Optional[str]:
+  """Why ``target`` cannot be compiled for here, or None if it can."""
+  platform, spec = TARGETS[target]
+  if importlib.util.find_spec('jax') is None:
+    return ('jax is not installed: pip install "jax[tpu]==0.10.2" '
+            'jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2')
+  if platform == 'tpu' and importlib.util.find_spec('libtpu') is None:
+    return 'libtpu is not installed: pip install "jax[tpu]==0.10.2"'
+  if platform == 'cuda':
+    if importlib.util.find_spec('jax_plugins.xla_cuda12') is None:
+      return ('the CUDA plugin is not installed: pip install '
+              'jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2')
+    if not os.path.exists(os.path.join(GPU_SPECS_DIR, spec)):
+      return (f'no GPU target spec {spec} in {GPU_SPECS_DIR} '
+              '(set FSDP_GPU_TARGET_SPECS)')
+  return None
+
+
+# ---------------------------------------------------------------------------
+# Tracing: the step module at world size 8 with real collectives.
+# ---------------------------------------------------------------------------
+
+
+def _trace_worker(index: int, layers: int, flatten: bool) -> None:
+  """One device's training step of the report model (``torch_xla.launch``)."""
+  sys.path.insert(0, os.path.join(_REPO, 'test'))
+  import torch
+  import torch_xla
+  import fsdp_memory_utils as mu
+  model = mu.wrap_report_model(layers, flatten_parameters=flatten)
+  optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+  device = torch_xla.device()
+
+  # (a function, so that the batch is no longer referenced at the sync and
+  # does not become a graph output)
+  def step():
+    x = torch.randn(_BATCH, _HIDDEN, device=device)
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    optimizer.step()
+
+  step()
+  torch_xla.sync()
+
+
+def _trace_main(layers: int, flatten: bool) -> None:
+  import torch_xla
+  torch_xla.launch(_trace_worker, args=(layers, flatten))
+
+
+# A module is complete when its ENTRY computation (the last) has ended.
+_COMPLETE_RE = re.compile(r'\nENTRY [\s\S]*\n  ROOT [^\n]*\n\}\s*$')
+
+
+def _step_module(dump_dir: str, world_size: int) -> Optional[str]:
+  """The dumped step module's HLO text once it is completely written.
+
+  At world size 1 (where FSDP reduce-scatters nothing) it is the largest
+  module, read once the tracing process has ended.
+  """
+  texts = []
+  for path in sorted(
+      glob.glob(os.path.join(dump_dir, '*.before_optimizations.txt'))):
+    with open(path) as f:
+      text = f.read()
+    if not _COMPLETE_RE.search(text):
+      continue
+    if world_size > 1 and ' reduce-scatter(' in text:
+      return text
+    texts.append(text)
+  if world_size == 1 and texts:
+    return max(texts, key=len)
+  return None
+
+
+def cache_dir() -> str:
+  return os.environ.get(
+      'FSDP_COMPILER_MEMORY_CACHE',
+      os.path.join(tempfile.gettempdir(), 'fsdp_compiler_memory'))
+
+
+def stock_by_default() -> bool:
+  """Whether this process's environment asks for stock torch_xla's FSDP
+  (``TORCH_XLA_FSDP_OVERLAY=0``): then the "fixed" variant is stock."""
+  return os.environ.get('TORCH_XLA_FSDP_OVERLAY', '1') == '0'
+
+
+def trace(stock: Optional[bool],
+          flatten: bool,
+          layers: int,
+          out_dir: Optional[str] = None,
+          timeout: float = 600.0,
+          world_size: int = WORLD_SIZE) -> str:
+  """Path of the step module's HLO text (``before_optimizations``) for one
+  variant, traced at ``world_size`` (8: with real collectives; 1: the
+  configuration of pytorch/xla#5464).
+
+  ``stock``: stock torch_xla's FSDP, or this checkout's fixed one; None
+  follows ``TORCH_XLA_FSDP_OVERLAY`` (``stock_by_default``). Traces are kept
+  in ``out_dir`` (default ``cache_dir()``) under a name that changes with
+  the FSDP files traced.
+  """
+  if stock is None:
+    stock = stock_by_default()
+  # A trace stays valid while the FSDP files it ran (stock's, or the
+  # checkout's fixed ones), the model and the tracing code stay the same.
+  # (found without importing torch_xla, which would start its runtime here)
+  stock_dir = os.path.join(
+      os.path.dirname(importlib.util.find_spec('torch_xla').origin),
+      'distributed', 'fsdp')
+  fsdp_dir = stock_dir if stock else os.path.join(_REPO, 'torch_xla',
+                                                  'distributed', 'fsdp')
+  digest = hashlib.sha256(
+      f"{TRACE_VERSION} {importlib.metadata.version('torch-xla')}".encode())
+  for path in sorted(glob.glob(os.path.join(fsdp_dir, '*.py'))) + [
+      os.path.join(_REPO, 'test', 'fsdp_memory_utils.py')
+  ]:
+    with open(path, 'rb') as f:
+      digest.update(f.read())
+  name = (f"report-w{world_size}-l{layers}-{'stock' if stock else 'fixed'}-"
+          f"{'T' if flatten else 'F'}-{digest.hexdigest()[:12]}.hlo.txt")
+  out_dir = out_dir or cache_dir()
+  out = os.path.join(out_dir, name)
+  if os.path.exists(out):
+    return out
+  os.makedirs(out_dir, exist_ok=True)
+  what = (f"report model, {layers} layers, {'stock' if stock else 'fixed'} "
+          f"flatten={flatten}")
+  what += f', world size {world_size}'
+  progress(f'trace: {what} ...')
+  start = time.time()
+  dump_dir = tempfile.mkdtemp(prefix='fsdp_trace_dump_')
+  # (a file: a pipe that nobody reads while waiting could fill and stop it)
+  err = tempfile.TemporaryFile()
+  env = dict(os.environ)
+  env.update(
+      PJRT_DEVICE='CPU',
+      CPU_NUM_DEVICES=str(world_size),
+      TORCH_XLA_FSDP_OVERLAY='0' if stock else '1',
+      # the trace is all that is wanted: no barrier pass flags of the
+      # CPU helper, only the dump
+      XLA_FLAGS=f'--xla_dump_to={dump_dir} '
+      '--xla_disable_hlo_passes=cse_barrier_expander')
+  env.pop('XLA_HLO_DEBUG', None)
+  proc = subprocess.Popen([
+      sys.executable,
+      os.path.abspath(__file__), '_trace', '--layers',
+      str(layers), '--flatten',
+      str(int(flatten))
+  ],
+                          env=env,
+                          stdout=subprocess.DEVNULL,
+                          stderr=err,
+                          start_new_session=True)
+  text = None
+  try:
+    while time.time() - start < timeout:
+      ended = proc.poll() is not None
+      if world_size > 1 or ended:
+        text = _step_module(dump_dir, world_size)
+      if text is not None or ended:
+        break
+      time.sleep(0.5)
+  finally:
+    # The step's collectives may never complete on CPU: end the tracing
+    # processes (the session of the child, started above) instead of
+    # waiting for them.
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    err.seek(0)
+    err_text = err.read().decode(errors='replace')
+    err.close()
+  if text is None:
+    raise RuntimeError(
+        f'tracing {what} gave no step module'
+        f"{' with a reduce-scatter' if world_size > 1 else ''} (exit code "
+        f'{proc.returncode}):\n{err_text[-3000:]}')
+  with open(out + '.tmp', 'w') as f:
+    f.write(text)
+  os.replace(out + '.tmp', out)
+  progress(f'trace: {what}: {time.time() - start:.0f} s')
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Compiling deviceless.
+# ---------------------------------------------------------------------------
+
+# (each donor is `(parameter, {shape index})`)
+_DONOR_RE = re.compile(r'buffer_donor=\{((?:[^{}]|\{[^{}]*\})*)\}')
+_REPLICAS_RE = re.compile(r'replica_count=(\d+)')
+
+
+def buffer_donors(hlo_text: str) -> List[int]:
+  """The parameters torch_xla donates (the module header's ``buffer_donor``:
+  its state updated in place)."""
+  header = hlo_text.split('\n', 1)[0]
+  m = _DONOR_RE.search(header)
+  if m is None:
+    return []
+  return [int(p) for p in re.findall(r'\((\d+),', m.group(1))]
+
+
+def _to_mlir(hlo_text: str):
+  """The HLO text as an MLIR module, its buffer donors restored as aliases.
+
+  The HLO -> MLIR conversion drops ``buffer_donor``; without it the
+  compiler counts the donated state (parameters, gradients) once as
+  arguments and again as outputs. Each donor becomes ``tf.aliasing_output``
+  of the first output of its type that no other donor took, which is what
+  the runtime does with a donated buffer.
+  """
+  from jax._src.interpreters import mlir as jax_mlir
+  from jax._src.lib import xla_client
+  from jax._src.lib.mlir import ir
+  from jaxlib import _hlo
+  module = _hlo.hlo_module_from_text(hlo_text)
+  computation = _hlo.XlaComputation(module.as_serialized_hlo_module_proto())
+  text = xla_client._xla.mlir.xla_computation_to_mlir_module(computation)
+  donors = buffer_donors(hlo_text)
+  context = jax_mlir.make_ir_context()
+  with context:
+    mlir_module = ir.Module.parse(text)
+    main = next(
+        op for op in mlir_module.body.operations
+        if ir.StringAttr(op.attributes['sym_name']).value == 'main')
+    ftype = ir.FunctionType(ir.TypeAttr(main.attributes['function_type']).value)
+    inputs = [str(t) for t in ftype.inputs]
+    results = [str(t) for t in ftype.results]
+    if 'arg_attrs' in main.attributes:
+      arg_attrs = [
+          dict((a.name, a.attr)
+               for a in ir.DictAttr(d))
+          for d in ir.ArrayAttr(main.attributes['arg_attrs'])
+      ]
+    else:
+      arg_attrs = [{} for _ in inputs]
+    taken = set()
+    aliased = 0
+    for p in donors:
+      k = next((k for k, t in enumerate(results)
+                if t == inputs[p] and k not in taken), None)
+      if k is None:
+        continue
+      taken.add(k)
+      aliased += 1
+      arg_attrs[p]['tf.aliasing_output'] = ir.IntegerAttr.get(
+          ir.IntegerType.get_signless(32), k)
+    main.attributes['arg_attrs'] = ir.ArrayAttr.get(
+        [ir.DictAttr.get(a) for a in arg_attrs])
+  return context, mlir_module, len(donors), aliased
+
+
+def _compile_main(target: str, hlo_path: str) -> None:
+  """Compile one HLO module for ``target``; print its memory stats (JSON)."""
+  platform, spec = TARGETS[target]
+  import jax
+  jax.config.update('jax_enable_x64', True)
+  from jax.experimental import topologies
+  from jax._src.lib import xla_client
+  with open(hlo_path) as f:
+    hlo_text = f.read()
+  m = _REPLICAS_RE.search(hlo_text.split('\n', 1)[0])
+  replicas = int(m.group(1)) if m else 1
+  if platform == 'tpu':
+    topo = topologies.get_topology_desc(topology_name=spec, platform='tpu')
+  else:
+    with open(os.path.join(GPU_SPECS_DIR, spec)) as f:
+      target_config = f.read()
+    topo = topologies.get_topology_desc(
+        platform='cuda',
+        topology_name='',
+        topology=f'1x1x{max(replicas, 1)}',
+        target_config=target_config)
+  devices = list(topo.devices)[:replicas]
+  if len(devices) < replicas:
+    raise SystemExit(f'{target} ({spec}) has {len(devices)} devices, the '
+                     f'module needs {replicas}')
+  context, module, num_donors, aliased = _to_mlir(hlo_text)
+  import numpy as np
+  options = xla_client.CompileOptions()
+  options.num_replicas = replicas
+  options.num_partitions = 1
+  options.device_assignment = xla_client.DeviceAssignment.create(
+      np.arange(replicas).reshape(replicas, 1))
+  start = time.time()
+  with context:
+    executable = devices[0].client.compile(
+        module,
+        executable_devices=xla_client.DeviceList(tuple(devices)),
+        compile_options=options)
+  stats = executable.get_compiled_memory_stats()
+  out = dict(
+      target=target,
+      spec=spec,
+      argument_bytes=stats.argument_size_in_bytes,
+      output_bytes=stats.output_size_in_bytes,
+      alias_bytes=stats.alias_size_in_bytes,
+      temp_bytes=stats.temp_size_in_bytes,
+      generated_code_bytes=stats.generated_code_size_in_bytes,
+      peak_bytes=getattr(stats, 'peak_memory_in_bytes', None),
+      donors=num_donors,
+      aliased=aliased,
+      compile_seconds=time.time() - start)
+  out['total_bytes'] = (
+      out['argument_bytes'] + out['output_bytes'] + out['temp_bytes'] -
+      out['alias_bytes'])
+  print(json.dumps(out))
+
+
+def compile_env(target: str) -> Dict[str, str]:
+  """The environment of a compiling process."""
+  env = dict(os.environ)
+  for var in ('XLA_FLAGS', 'PJRT_DEVICE', 'CPU_NUM_DEVICES'):
+    env.pop(var, None)
+  # no CUDA client (there is no GPU); the compile-only clients need none
+  env['JAX_PLATFORMS'] = 'cpu'
+  if TARGETS[target][0] == 'cuda':
+    # Without a GPU there is nothing to autotune on: dots take Triton's
+    # default configuration.
+    env['XLA_FLAGS'] = '--xla_gpu_autotune_level=0'
+  else:
+    # quiets libtpu's search for TPU hosts
+    env.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-8')
+    env.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+    # several compiling processes at a time (run_tests.sh runs two files)
+    env.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  return env
+
+
+def compile_hlo(hlo_path: str, target: str, timeout: float = 900.0) -> dict:
+  """Memory stats of compiling ``hlo_path`` for ``target``, in a process of
+  its own."""
+  why = missing(target)
+  if why:
+    raise RuntimeError(f'cannot compile for {target}: {why}')
+  start = time.time()
+  out = subprocess.run([
+      sys.executable,
+      os.path.abspath(__file__), '_compile', '--target', target, '--hlo',
+      hlo_path
+  ],
+                       env=compile_env(target),
+                       capture_output=True,
+                       text=True,
+                       timeout=timeout)
+  if out.returncode != 0:
+    raise RuntimeError(f'compiling {os.path.basename(hlo_path)} for {target} '
+                       f'failed:\n{out.stderr[-4000:]}')
+  stats = json.loads(out.stdout.strip().splitlines()[-1])
+  progress(f'compile: {os.path.basename(hlo_path)} for {target}: '
+           f"{stats['total_bytes'] / MB:.1f} MB, {time.time() - start:.0f} s")
+  return stats
+
+
+def main(argv=None) -> None:
+  if argv is None:
+    argv = sys.argv[1:]
+  if argv and argv[0] == '_trace':
+    p = argparse.ArgumentParser()
+    p.add_argument('--layers', type=int)
+    p.add_argument('--flatten', type=int)
+    a = p.parse_args(argv[1:])
+    _trace_main(a.layers, bool(a.flatten))
+    return
+  if argv and argv[0] == '_compile':
+    p = argparse.ArgumentParser()
+    p.add_argument('--target')
+    p.add_argument('--hlo')
+    a = p.parse_args(argv[1:])
+    _compile_main(a.target, a.hlo)
+    return
+  args = parse_args(argv)
+  results = measure(args.layers, args.targets, args.out_dir, args.world_size)
+  print_table(results, args.layers, args.targets, args.world_size)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='\n'.join(__doc__.splitlines()[1:]))
+  parser.add_argument(
+      '--layers', type=int, nargs='+', default=[2, 4], metavar='N')
+  parser.add_argument(
+      '--targets',
+      nargs='+',
+      choices=sorted(TARGETS),
+      metavar='TARGET',
+      help=f"of {', '.join(TARGETS)} (default: "
+      f"{', '.join(DEFAULT_TARGETS)}, those installed)")
+  parser.add_argument(
+      '--out-dir',
+      help='where the traced step modules are kept (default: '
+      '$FSDP_COMPILER_MEMORY_CACHE or a folder in the temp dir)')
+  parser.add_argument(
+      '--world-size',
+      type=int,
+      choices=(1, WORLD_SIZE),
+      default=WORLD_SIZE,
+      help=f'{WORLD_SIZE}: real collectives on {WORLD_SIZE} CPU devices; 1: '
+      'the configuration of pytorch/xla#5464')
+  parser.add_argument('--json', help='write the results there')
+  args = parser.parse_args(argv)
+  if min(args.layers) < 1:
+    parser.error('--layers must be >= 1')
+  if args.targets is None:
+    args.targets = [t for t in DEFAULT_TARGETS if missing(t) is None]
+    for t in DEFAULT_TARGETS:
+      if missing(t):
+        progress(f'skipping {t}: {missing(t)}')
+  else:
+    for t in args.targets:
+      if missing(t):
+        parser.error(f'{t}: {missing(t)}')
+  if not args.targets:
+    parser.error('no compiler to measure with')
+  return args
+
+
+# (stock, flatten) of the variants compared: F, stock T, fixed T
+VARIANTS = {
+    'F': (False, False),
+    'stock T': (True, True),
+    'fixed T': (False, True)
+}
+
+
+def measure(layers: List[int],
+            targets: List[str],
+            out_dir: Optional[str] = None,
+            world_size: int = WORLD_SIZE) -> List[dict]:
+  """Compile every variant of the report model at each depth for each
+  target; one dict of memory stats per compile."""
+  results = []
+  for n in layers:
+    for variant, (stock, flatten) in VARIANTS.items():
+      hlo = trace(stock, flatten, n, out_dir, world_size=world_size)
+      for target in targets:
+        results.append(
+            dict(compile_hlo(hlo, target), variant=variant, layers=n, hlo=hlo))
+  return results
+
+
+def unit_bytes() -> int:
+  """One layer's gathered parameters (one FSDP unit of the report model)."""
+  return 8 * _HIDDEN * _HIDDEN * 4
+
+
+def print_table(results: List[dict],
+                layers: List[int],
+                targets: List[str],
+                world_size: int = WORLD_SIZE) -> None:
+  find = {(r['target'], r['layers'], r['variant']): r for r in results}
+  print(f'\nReport model, world size {world_size}'
+        f"{', real collectives' if world_size > 1 else ''}; MB = argument + "
+        'output + temp - alias;\nunits = (fixed T - F) / one layer\'s '
+        f'gathered parameters ({unit_bytes() / MB:.1f} MB)')
+  cols = [('target', 9), ('layers', 6), ('F', 8), ('stock T', 8),
+          ('fixed T', 8), ('fixed/F', 7), ('units', 6)]
+  print('  '.join(f'{c:>{w}}' for c, w in cols))
+  for target in targets:
+    for n in layers:
+      f, st, fx = (find[(target, n, v)]['total_bytes'] for v in VARIANTS)
+      row = [
+          target, n, f'{f / MB:.1f}', f'{st / MB:.1f}', f'{fx / MB:.1f}',
+          f'{fx / f:.2f}', f'{(fx - f) / unit_bytes():.2f}'
+      ]
+      print('  '.join(f'{v:>{w}}' for v, (_, w) in zip(row, cols)))
+  if len(layers) > 1:
+    lo, hi = min(layers), max(layers)
+    print(f'\nGrowth per layer from {lo} to {hi} layers, in F\'s growth:')
+    for target in targets:
+      growth = {
+          v: (find[(target, hi, v)]['total_bytes'] -
+              find[(target, lo, v)]['total_bytes']) / (hi - lo) for v in VARIANTS
+      }
+      print(f"  {target}: F {growth['F'] / MB:.1f} MB/layer, stock T "
+            f"{growth['stock T'] / growth['F']:.2f}x, fixed T "
+            f"{growth['fixed T'] / growth['F']:.2f}x")
+
+
+if __name__ == '__main__':
+  main()
