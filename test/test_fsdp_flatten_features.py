@@ -499,11 +499,9 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
 
     def assert_freed():
       for linear in linears:
-        # no view of any gathered data stays on the modules, and the tensor
-        # holds only the freed placeholder (its shape follows the data
-        # swapped in; numel keeps the size it was made with)
-        self.assertFalse(linear.weight._is_view())
-        self.assertEqual(tuple(linear.weight.shape), (1,))
+        # no tensor of any gathered data stays on the modules (what they
+        # hold instead raises an error on use)
+        self.assertNotIsInstance(linear.weight, torch.Tensor)
 
     seen_in_forward = []
     hooks = [
