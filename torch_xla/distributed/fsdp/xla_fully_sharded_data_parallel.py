@@ -1030,7 +1030,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     if self.training_state == TrainingState.FORWARD or self.has_full_params:
       return
     name = self._qualified_name(module_name)
-    unit = f"'{self._qualified_name('')}' ({type(self.module.module).__name__})"
+    unit = self._unit_name()
     model = self._model
     if model is None or not any(
         m.training_state == TrainingState.FORWARD for m in model["units"]):
@@ -1067,6 +1067,11 @@ class XlaFullyShardedDataParallel(nn.Module):
     name = ".".join(n for n in (self._name_in_model, name) if n)
     return re.sub(r"(_fsdp_wrapped_module|_fpw_module)\.?", "",
                   name).strip(".").replace("..", ".")
+
+  def _unit_name(self) -> str:
+    name = self._qualified_name("")
+    return f"'{name}' ({type(self.module.module).__name__})" if name else (
+        f"wrapping {type(self.module.module).__name__}")
 
   def __getstate__(self) -> Dict[str, Any]:
     if self.flatten_parameters:
@@ -2032,17 +2037,18 @@ class _FreedParameter:
   """
   What a submodule holds in place of an original parameter of a flat
   parameter while FSDP has freed it (see ``_UnflattenedParams``). It
-  answers its shape, and any other use raises an error that names the
-  parameter: read by attribute outside its unit's forward (weights tied by
-  hand across units, a regularizer over parameters), it has no data.
+  answers the parameter's shape, dtype and device, and any other use raises
+  an error that names the parameter: read by attribute outside its unit's
+  forward (weights tied by hand across units, a regularizer over the
+  parameters), it has no data.
   """
 
   def __init__(self, unit: "XlaFullyShardedDataParallel", name: str,
                shape: torch.Size, requires_grad: bool):
     self._unit = weakref.ref(unit)
     self._name = name
-    self.shape = shape
-    self.requires_grad = requires_grad
+    self.shape, self.requires_grad = shape, requires_grad
+    self.dtype, self.device = unit.compute_dtype, unit.xla_device
 
   def size(self, dim: Optional[int] = None) -> Union[torch.Size, int]:
     return self.shape if dim is None else self.shape[dim]
@@ -2050,13 +2056,15 @@ class _FreedParameter:
   def dim(self) -> int:
     return len(self.shape)
 
-  def _error(self) -> RuntimeError:
+  def _names(self) -> Tuple[str, str]:
+    """The parameter's name and its unit's, from the root."""
     unit = self._unit()
-    name, unit_name = self._name, "?"
-    if unit is not None:
-      name, unit_name = unit._qualified_name(name), (
-          f"'{unit._qualified_name('')}' "
-          f"({type(unit.module.module).__name__})")
+    if unit is None:
+      return self._name, "?"
+    return unit._qualified_name(self._name), unit._unit_name()
+
+  def _error(self) -> RuntimeError:
+    name, unit_name = self._names()
     return RuntimeError(
         f"Parameter '{name}' is used while the FSDP unit {unit_name}, which "
         "flattens it, has freed it: its data is gathered only for that "
@@ -2075,7 +2083,21 @@ class _FreedParameter:
     raise next(t for t in leaves if isinstance(t, cls))._error()
 
   def __repr__(self) -> str:
-    return f"<parameter '{self._name}', freed by FSDP>"
+    return f"<parameter '{self._names()[0]}', freed by FSDP>"
+
+
+def _raise_freed(self, *args: Any) -> None:
+  raise self._error()
+
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+            "and", "or", "xor", "lshift", "rshift"):
+  setattr(_FreedParameter, f"__{_op}__", _raise_freed)
+  setattr(_FreedParameter, f"__r{_op}__", _raise_freed)
+for _op in ("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge", "getitem",
+            "setitem", "len", "iter", "bool", "float", "int", "index",
+            "array"):
+  setattr(_FreedParameter, f"__{_op}__", _raise_freed)
 
 
 def _any_alive(refs: List[weakref.ref]) -> bool:
