@@ -120,10 +120,9 @@ def make_net(features):
   torch.manual_seed(0)
   net = (
       CallsBeforeOwner() if 'called_before_owner' in features else
-      CallsThroughUnit() if 'called_through_unit' in features else
-      ReadsWeight() if 'reads_weight' in features else
-      Regularized() if 'regularizer' in features else
-      CallsLater() if 'calls_later' in features else Net())
+      CallsThroughUnit() if 'called_through_unit' in features else ReadsWeight(
+      ) if 'reads_weight' in features else Regularized() if 'regularizer' in
+      features else CallsLater() if 'calls_later' in features else Net())
   if 'frozen' in features:
     net.blocks[1].fc1.requires_grad_(False)
   if 'batchnorm' in features:

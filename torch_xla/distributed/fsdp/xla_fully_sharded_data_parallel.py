@@ -168,11 +168,23 @@ class XlaFullyShardedDataParallel(nn.Module):
           time, where unflattened parameters' gradients are reduce-scattered
           one by one, and its forward copies all its parameters out of the
           gathered flat parameter at once. The original parameters hold data
-          only while the flat parameter is gathered: a submodule called
-          outside this module's forward (by another FSDP unit that shares it,
-          or through this module's attributes) makes it keep them gathered
-          after forward from then on, as with
-          ``reshard_after_forward=False`` (with a warning).
+          only while the flat parameter is gathered (in this module's
+          forward and backward; with ``reshard_after_forward=False``, from
+          its forward to its backward). Read by attribute while freed
+          (weights tied by hand across FSDP units, a regularizer over the
+          parameters), any use of one raises an error that names it: call
+          the module that holds it, tie the weights inside one unit, or pass
+          ``reshard_after_forward=False`` to this module. A submodule called
+          outside this module's forward while they are freed gathers them
+          only inside the forward of another FSDP unit of the model (which
+          shares it, or calls it through this module's attributes), a call
+          that every rank makes: in the model's first forward, this module
+          then keeps them gathered after forward from then on, as with
+          ``reshard_after_forward=False`` (with a warning); in a later
+          forward it raises an error. Called outside every FSDP forward
+          (e.g. a probe between steps, which some ranks may not make), it
+          raises an error. Such a module cannot be deep-copied or pickled
+          (an error says what to do instead).
       execute_sharding_on_init (bool, Optional):
           if ``True``, immediately execute the parameter sharding via
           `torch_xla.sync()` to free up the memory of the full parameters.
@@ -1032,8 +1044,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     name = self._qualified_name(module_name)
     unit = self._unit_name()
     model = self._model
-    if model is None or not any(
-        m.training_state == TrainingState.FORWARD for m in model["units"]):
+    if model is None or not any(m.training_state == TrainingState.FORWARD
+                                for m in model["units"]):
       raise RuntimeError(
           f"Module '{name}' is called outside every FSDP forward while the "
           f"FSDP unit {unit}, which flattens its parameters, has freed them. "
@@ -1966,10 +1978,10 @@ class _UnflattenedParams:
     # which a computation could broadcast). The latest tensors made go back
     # on the submodules when the flat parameter is gathered for backward
     # (the recompute of a checkpointed submodule reads them there).
+    names, shapes, _ = flat_param.metadata()
     self._freed_params = [
-        _FreedParameter(unit, name, shape, flat_param.requires_grad)
-        for name, shape in zip(flat_param.metadata()[0],
-                               flat_param._param_shapes)
+        _FreedParameter(unit, n, s, flat_param.requires_grad)
+        for n, s in zip(names, shapes)
     ]
     self._latest = self._freed_params
 
@@ -2095,8 +2107,7 @@ for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
   setattr(_FreedParameter, f"__{_op}__", _raise_freed)
   setattr(_FreedParameter, f"__r{_op}__", _raise_freed)
 for _op in ("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge", "getitem",
-            "setitem", "len", "iter", "bool", "float", "int", "index",
-            "array"):
+            "setitem", "len", "iter", "bool", "float", "int", "index", "array"):
   setattr(_FreedParameter, f"__{_op}__", _raise_freed)
 
 
