@@ -115,14 +115,20 @@ class CallsLater(Net):
     return out + self.blocks[0].fc1(x)[:, :10] if self.call else out
 
 
+NETS = {
+    'called_before_owner': CallsBeforeOwner,
+    'called_through_unit': CallsThroughUnit,
+    'reads_weight': ReadsWeight,
+    'regularizer': Regularized,
+    'calls_later': CallsLater,
+}
+
+
 def make_net(features):
   """The unwrapped model with ``features`` (a set of names)."""
   torch.manual_seed(0)
-  net = (
-      CallsBeforeOwner() if 'called_before_owner' in features else
-      CallsThroughUnit() if 'called_through_unit' in features else ReadsWeight(
-      ) if 'reads_weight' in features else Regularized() if 'regularizer' in
-      features else CallsLater() if 'calls_later' in features else Net())
+  nets = [cls for feature, cls in NETS.items() if feature in features]
+  net = (nets[0] if nets else Net)()
   if 'frozen' in features:
     net.blocks[1].fc1.requires_grad_(False)
   if 'batchnorm' in features:
