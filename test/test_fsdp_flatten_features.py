@@ -481,9 +481,9 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
                 if isinstance(m, FSDP) and m is not model))
 
   def test_module_of_two_units(self):
-    # A module that one unit flattens and another unit (also) calls: the
-    # first keeps its parameters gathered after forward from the first such
-    # call on, as with reshard_after_forward=False.
+    # A module that one unit flattens and another unit (also) calls in the
+    # model's first forward: the first keeps its parameters gathered after
+    # forward from that call on, as with reshard_after_forward=False.
     for feature in ('shared_with_root', 'wrapped_twice', 'called_before_owner',
                     'called_through_unit'):
       with self.subTest(feature=feature):
