@@ -1553,6 +1553,16 @@ class XlaFullyShardedDataParallel(nn.Module):
             frozen_params,
             apply_opt_barrier=self.optimization_barrier_in_backward)
 
+    # A module's bucketed reduce-scatters (reduce_scatter_bucket_size_mb > 0)
+    # are flushed by its last post-backward hook, as counted in forward. A
+    # gradient that comes in parts (from the recompute of each checkpointed
+    # submodule) runs its hook once per part, a parameter that gets no
+    # gradient none: the count misses zero, and what the bucket holds would
+    # wait for the next backward.
+    for m in self.modules():
+      if isinstance(m, XlaFullyShardedDataParallel):
+        m.reduce_scatter_op.flush()
+
     # Update root and nested FSDP's hooks and flags.
     for m in self.modules():  # includes self
       if isinstance(m, XlaFullyShardedDataParallel):
