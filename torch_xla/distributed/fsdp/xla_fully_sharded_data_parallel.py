@@ -1556,9 +1556,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     # A module's bucketed reduce-scatters (reduce_scatter_bucket_size_mb > 0)
     # are flushed by its last post-backward hook, as counted in forward. A
     # gradient that comes in parts (from the recompute of each checkpointed
-    # submodule) runs its hook once per part, a parameter that gets no
-    # gradient none: the count misses zero, and what the bucket holds would
-    # wait for the next backward.
+    # submodule) runs its hook once per part: the count goes below zero, and
+    # the later parts would wait in the bucket for the next backward.
     for m in self.modules():
       if isinstance(m, XlaFullyShardedDataParallel):
         m.reduce_scatter_op.flush()
