@@ -7,8 +7,10 @@ float32 rounding (more on backends other than the CPU, and with
 low-precision compute).
 """
 
+import copy
 import functools
 import os
+import pickle
 import sys
 import tempfile
 import unittest
@@ -28,7 +30,7 @@ from torch_xla.distributed.fsdp.state_dict_utils import (
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import test_utils
-from fsdp_test_utils import simulated_world_size
+from fsdp_test_utils import count_collectives, simulated_world_size
 from test_fsdp_flatten_parity import Block, Net
 
 STEPS = 3
@@ -89,12 +91,44 @@ class CallsThroughUnit(Net):
         self.blocks[0].fc1(x))[:, :10]
 
 
+class ReadsWeight(Net):
+  """The root reads a parameter of the first block by attribute."""
+
+  def forward(self, x):
+    return super().forward(x) + F.linear(x, self.blocks[0].fc1.weight)[:, :10]
+
+
+class Regularized(Net):
+  """The root adds a function of a parameter of the first block."""
+
+  def forward(self, x):
+    return super().forward(x) + self.blocks[0].fc2.weight.pow(2).sum()
+
+
+class CallsLater(Net):
+  """The root calls a submodule of the first block once ``call`` is set."""
+
+  call = False
+
+  def forward(self, x):
+    out = super().forward(x)
+    return out + self.blocks[0].fc1(x)[:, :10] if self.call else out
+
+
+NETS = {
+    'called_before_owner': CallsBeforeOwner,
+    'called_through_unit': CallsThroughUnit,
+    'reads_weight': ReadsWeight,
+    'regularizer': Regularized,
+    'calls_later': CallsLater,
+}
+
+
 def make_net(features):
   """The unwrapped model with ``features`` (a set of names)."""
   torch.manual_seed(0)
-  net = (
-      CallsBeforeOwner() if 'called_before_owner' in features else
-      CallsThroughUnit() if 'called_through_unit' in features else Net())
+  nets = [cls for feature, cls in NETS.items() if feature in features]
+  net = (nets[0] if nets else Net)()
   if 'frozen' in features:
     net.blocks[1].fc1.requires_grad_(False)
   if 'batchnorm' in features:
@@ -447,9 +481,9 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
                 if isinstance(m, FSDP) and m is not model))
 
   def test_module_of_two_units(self):
-    # A module that one unit flattens and another unit (also) calls: the
-    # first keeps its parameters gathered after forward from the first such
-    # call on, as with reshard_after_forward=False.
+    # A module that one unit flattens and another unit (also) calls in the
+    # model's first forward: the first keeps its parameters gathered after
+    # forward from that call on, as with reshard_after_forward=False.
     for feature in ('shared_with_root', 'wrapped_twice', 'called_before_owner',
                     'called_through_unit'):
       with self.subTest(feature=feature):
@@ -499,11 +533,9 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
 
     def assert_freed():
       for linear in linears:
-        # no view of any gathered data stays on the modules, and the tensor
-        # holds only the freed placeholder (its shape follows the data
-        # swapped in; numel keeps the size it was made with)
-        self.assertFalse(linear.weight._is_view())
-        self.assertEqual(tuple(linear.weight.shape), (1,))
+        # no tensor of any gathered data stays on the modules (what they
+        # hold instead raises an error on use)
+        self.assertNotIsInstance(linear.weight, torch.Tensor)
 
     seen_in_forward = []
     hooks = [
@@ -533,6 +565,66 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
     # original parameters each forward makes must not pile up.
     _, live = train_with_eval_forwards()
     self.assertEqual(len(set(live[1:])), 1, live)
+
+
+class TestUsedOutsideItsUnit(test_utils.XlaTestCase):
+  """A flattened unit's original parameters hold data only in its forward
+  and backward (views into the flat parameter used to keep the forward's
+  gathered data alive)."""
+
+  def test_parameter_read_by_attribute_raises_naming_it(self):
+    # (a matmul with the freed parameter failed on its shape, naming nothing)
+    with self.assertRaisesRegex(
+        RuntimeError, r"Parameter 'blocks\.0\.fc1\.weight' is used while "
+        r"the FSDP unit 'blocks\.0' \(Block\).*reshard_after_forward=False"):
+      train('reads_weight', True, steps=1)
+
+  def test_elementwise_use_of_freed_parameter_raises(self):
+    # (it broadcast over the freed placeholder: a wrong value, no error)
+    model = build('regularizer', True)
+    x, _ = make_batch()
+    with torch.no_grad(), self.assertRaisesRegex(
+        RuntimeError, r"Parameter 'blocks\.0\.fc2\.weight' is used while"):
+      model(x)
+
+  def test_submodule_called_outside_every_forward_raises(self):
+    # A probe between steps, maybe on some ranks only: gathering there would
+    # be an all-gather from that call site.
+    model = build('plain', True)
+    x, _ = make_batch()
+    with torch.no_grad():
+      model(x)
+      with count_collectives(model) as collectives, self.assertRaisesRegex(
+          RuntimeError,
+          r"Module 'blocks\.0\.fc1' is called outside every FSDP forward"):
+        model.blocks[0].fc1(x)
+    self.assertEqual(collectives['all_gather'], 0)
+    self.assertTrue(model.blocks[0].reshard_after_forward)
+
+  def test_called_by_another_unit_after_the_first_forward_raises(self):
+    # Whether a unit keeps its parameters gathered after forward is decided
+    # by the model's first forward, not switched for good by a later call.
+    model = build('calls_later', True)
+    x, _ = make_batch()
+    with torch.no_grad():
+      model(x)
+      CallsLater.call = True
+      try:
+        with self.assertRaisesRegex(
+            RuntimeError, r"Module 'blocks\.0\.fc1' .* not in the model's "
+            "first forward"):
+          model(x)
+      finally:
+        CallsLater.call = False
+
+  def test_deepcopy_raises(self):
+    # (a copy would lose the unit's state of the original parameters)
+    with self.assertRaisesRegex(RuntimeError, 'cannot be copied'):
+      copy.deepcopy(build('plain', True))
+
+  def test_pickle_raises(self):
+    with self.assertRaisesRegex(RuntimeError, 'cannot be copied'):
+      pickle.dumps(build('plain', True))
 
 
 class TestCheckpointRoundTrip(SameTrainingMixin, test_utils.XlaTestCase):

@@ -50,6 +50,7 @@ from .wrap import recursive_wrap
 from ._init_utils import _materialize_module
 
 import os
+import re
 
 XLA_DISABLE_FUNCTIONALIZATION = bool(
     os.environ.get('XLA_DISABLE_FUNCTIONALIZATION', False))
@@ -167,11 +168,23 @@ class XlaFullyShardedDataParallel(nn.Module):
           time, where unflattened parameters' gradients are reduce-scattered
           one by one, and its forward copies all its parameters out of the
           gathered flat parameter at once. The original parameters hold data
-          only while the flat parameter is gathered: a submodule called
-          outside this module's forward (by another FSDP unit that shares it,
-          or through this module's attributes) makes it keep them gathered
-          after forward from then on, as with
-          ``reshard_after_forward=False`` (with a warning).
+          only while the flat parameter is gathered (in this module's
+          forward and backward; with ``reshard_after_forward=False``, from
+          its forward to its backward). Read by attribute while freed
+          (weights tied by hand across FSDP units, a regularizer over the
+          parameters), any use of one raises an error that names it: call
+          the module that holds it, tie the weights inside one unit, or pass
+          ``reshard_after_forward=False`` to this module. A submodule called
+          outside this module's forward while they are freed gathers them
+          only inside the forward of another FSDP unit of the model (which
+          shares it, or calls it through this module's attributes), a call
+          that every rank makes: in the model's first forward, this module
+          then keeps them gathered after forward from then on, as with
+          ``reshard_after_forward=False`` (with a warning); in a later
+          forward it raises an error. Called outside every FSDP forward
+          (e.g. a probe between steps, which some ranks may not make), it
+          raises an error. Such a module cannot be deep-copied or pickled
+          (an error says what to do instead).
       execute_sharding_on_init (bool, Optional):
           if ``True``, immediately execute the parameter sharding via
           `torch_xla.sync()` to free up the memory of the full parameters.
@@ -601,6 +614,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     self._forward_in_chkpt_bwd = False
     self._checkpointed_as_a_whole = hasattr(
         self.module.module, "_xla_checkpointed_forward_original")
+    # (set by the root, see `_set_is_root`)
+    self._model, self._name_in_model = None, ""
 
     if execute_sharding_on_init:
       # Execute the parameter sharding immediately and free up the memory
@@ -829,7 +844,7 @@ class XlaFullyShardedDataParallel(nn.Module):
       if isinstance(p, FlatParameter):
         p._unflattened_params = _UnflattenedParams(
             p, self._dummy_data_placeholder, self.optimization_barrier_op
-            if self.optimization_barrier_in_forward else None)
+            if self.optimization_barrier_in_forward else None, self)
         modules = {m: name for name, m, _ in p._param_infos}
         modules.update(
             (m, name) for name, _, m, _, _, _ in p._shared_param_infos)
@@ -1001,33 +1016,84 @@ class XlaFullyShardedDataParallel(nn.Module):
         assert m._is_root is None or not m._is_root
         if m._is_root is None:
           m._is_root = False
+    # What `_called_outside_forward` needs to know of the model: its units,
+    # and whether its first forward is done.
+    model = {"units": [], "first_forward_done": False}
+    for n, m in self.named_modules():
+      if isinstance(m, XlaFullyShardedDataParallel):
+        model["units"].append(m)
+        m._model, m._name_in_model = model, n
 
   def _called_outside_forward(self, module_name: str, module: nn.Module,
                               args: Any) -> None:
     """
     Forward pre-hook of each submodule whose parameters this module
-    flattens. Called outside this module's forward (by another FSDP unit
-    that shares it, or through this module's attributes), the submodule
-    would read its parameters freed (views into the flat parameter used to
-    keep them alive): this module keeps its parameters gathered after
-    forward from then on, as with ``reshard_after_forward=False`` (also
-    after a `_reset_lazy_init`), and gathers them now.
+    flattens. Called outside this module's forward while its parameters
+    are freed (by another FSDP unit that shares it, or through this
+    module's attributes), the submodule would read them freed (views into
+    the flat parameter used to keep them alive). Inside the forward of
+    another unit of the model, a call every rank makes, this module gathers
+    them now; if that is in the model's first forward, it also keeps them
+    gathered after forward from then on, as with
+    ``reshard_after_forward=False`` (also after a `_reset_lazy_init`).
+    Anywhere else it raises an error: an all-gather issued from there may
+    be issued by some ranks only.
     """
     if self.training_state == TrainingState.FORWARD or self.has_full_params:
       return
+    name = self._qualified_name(module_name)
+    unit = self._unit_name()
+    model = self._model
+    if model is None or not any(m.training_state == TrainingState.FORWARD
+                                for m in model["units"]):
+      raise RuntimeError(
+          f"Module '{name}' is called outside every FSDP forward while the "
+          f"FSDP unit {unit}, which flattens its parameters, has freed them. "
+          "Gathering them here would issue an all-gather that ranks not "
+          "making this call do not issue. Call it from the forward of an "
+          "FSDP unit (e.g. the root's) on every rank, or call the unit.")
     if self.reshard_after_forward:
+      if model["first_forward_done"]:
+        raise RuntimeError(
+            f"Module '{name}' is called outside the forward of the FSDP unit "
+            f"{unit}, which flattens its parameters, and not in the model's "
+            "first forward: whether the unit keeps its parameters gathered "
+            "after forward is decided there. Pass reshard_after_forward="
+            "False to that unit, or wrap the modules that share a module in "
+            "one FSDP unit.")
       self.reshard_after_forward = self._orig_reshard_after_forward = False
       warnings.warn(
-          f"Module '{module_name or type(module).__name__}', whose "
-          "parameters the FSDP unit wrapping "
-          f"{type(self.module.module).__name__} flattens, is called outside "
-          "that unit's forward: the unit keeps them gathered after forward "
-          "(reshard_after_forward=False). Call the unit itself, or wrap the "
-          "modules that share a module in one FSDP unit.")
+          f"Module '{name}', whose parameters the FSDP unit {unit} flattens, "
+          "is called outside that unit's forward: the unit keeps them "
+          "gathered after forward (reshard_after_forward=False). Call the "
+          "unit itself, or wrap the modules that share a module in one FSDP "
+          "unit.")
     self._rebuild_full_params(
         apply_opt_barrier=self.optimization_barrier_in_forward)
     # (before this unit's first forward, its submodules hold placeholders)
     self._fsdp_wrapped_module._unflatten_params_as_views()
+
+  def _qualified_name(self, name: str) -> str:
+    """``name``, relative to this unit, from the root (FSDP's wrappers left
+    out)."""
+    name = ".".join(n for n in (self._name_in_model, name) if n)
+    return re.sub(r"(_fsdp_wrapped_module|_fpw_module)\.?", "",
+                  name).strip(".").replace("..", ".")
+
+  def _unit_name(self) -> str:
+    name = self._qualified_name("")
+    return f"'{name}' ({type(self.module.module).__name__})" if name else (
+        f"wrapping {type(self.module.module).__name__}")
+
+  def __getstate__(self) -> Dict[str, Any]:
+    if self.flatten_parameters:
+      raise RuntimeError(
+          "An FSDP module with flatten_parameters=True cannot be copied "
+          "(copy.deepcopy) or pickled. Save it with state_dict() and "
+          "get_shard_metadata() (see consolidate_sharded_model_checkpoints); "
+          "for a copy (e.g. for EMA), copy the module before wrapping it, or "
+          "wrap a new one and load_state_dict() into it.")
+    return super().__getstate__()
 
   def _setup_output_hook_and_backward_opt_barrier_lists(self) -> None:
     """
@@ -1109,6 +1175,8 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     # Done with a forward pass.
     self.training_state = TrainingState.IDLE
+    if self._is_root:
+      self._model["first_forward_done"] = True
 
     return outputs
 
@@ -1484,6 +1552,15 @@ class XlaFullyShardedDataParallel(nn.Module):
         fsdp_module._free_full_params(
             frozen_params,
             apply_opt_barrier=self.optimization_barrier_in_backward)
+
+    # A module's bucketed reduce-scatters (reduce_scatter_bucket_size_mb > 0)
+    # are flushed by its last post-backward hook, as counted in forward. A
+    # gradient that comes in parts (from the recompute of each checkpointed
+    # submodule) runs its hook once per part: the count goes below zero, and
+    # the later parts would wait in the bucket for the next backward.
+    for m in self.modules():
+      if isinstance(m, XlaFullyShardedDataParallel):
+        m.reduce_scatter_op.flush()
 
     # Update root and nested FSDP's hooks and flags.
     for m in self.modules():  # includes self
@@ -1898,28 +1975,31 @@ class _UnflattenedParams:
   """
 
   def __init__(self, flat_param: FlatParameter, placeholder: torch.Tensor,
-               optimization_barrier_op: Optional[Callable]):
+               optimization_barrier_op: Optional[Callable],
+               unit: "XlaFullyShardedDataParallel"):
     self._flat_param = flat_param
     self._placeholder = placeholder
     self._optimization_barrier_op = optimization_barrier_op
     self._holding: List[List[weakref.ref]] = []
     self._freed: List[List[weakref.ref]] = []
-    # What the submodules hold while the flat parameter is freed. Made at
-    # full size and then freed, as the unflattened full params are (the
-    # full-size value is never computed): functionalization keeps some of a
-    # tensor's size metadata from its creation.
-    self._placeholders = []
-    for size in flat_param._param_shapes:
-      t = flat_param.new_empty(size).requires_grad_(flat_param.requires_grad)
-      _swap_data(t, placeholder)
-      self._placeholders.append(t)
+    # What the submodules hold while the flat parameter is freed: any use of
+    # them raises an error (a freed tensor holds a one-element placeholder,
+    # which a computation could broadcast). The latest tensors made go back
+    # on the submodules when the flat parameter is gathered for backward
+    # (the recompute of a checkpointed submodule reads them there).
+    names, shapes, _ = flat_param.metadata()
+    self._freed_params = [
+        _FreedParameter(unit, n, s, flat_param.requires_grad)
+        for n, s in zip(names, shapes)
+    ]
+    self._latest = self._freed_params
 
   def make(self) -> List[torch.Tensor]:
     """The original parameters, for a forward."""
     p = self._flat_param
     if not p._has_full_param:
-      return self._placeholders
-    params = _UnflattenFlatParameter.apply(p)
+      return self._freed_params
+    params = self._latest = _UnflattenFlatParameter.apply(p)
     if self._optimization_barrier_op is not None:
       # Each parameter is then a buffer of its own, copied out once the flat
       # parameter is gathered: whatever XLA fuses or recomputes later (a bias
@@ -1943,6 +2023,15 @@ class _UnflattenedParams:
         refs for refs in self._freed + self._holding if _any_alive(refs)
     ]
     self._holding = []
+    self._set_on_submodules(self._freed_params)
+
+  def _set_on_submodules(self, params: List[Any]) -> None:
+    """Set ``params`` as the original parameters, as
+    ``XlaFlattenParamsWrapper._unflatten_params_as_views`` does."""
+    for (_, m, n), t in zip(self._flat_param._param_infos, params):
+      setattr(m, n, t)
+    for _, _, m, n, shared_m, shared_n in self._flat_param._shared_param_infos:
+      setattr(m, n, getattr(shared_m, shared_n))
 
   def point_at_flat_param(self) -> None:
     """Point the freed tensors at the flat parameter's new full data."""
@@ -1962,6 +2051,73 @@ class _UnflattenedParams:
           _swap_data(t, data)
       self._holding.append(refs)
     self._freed = []
+    self._set_on_submodules(self._latest)
+
+
+class _FreedParameter:
+  """
+  What a submodule holds in place of an original parameter of a flat
+  parameter while FSDP has freed it (see ``_UnflattenedParams``). It
+  answers the parameter's shape, dtype and device, and any other use raises
+  an error that names the parameter: read by attribute outside its unit's
+  forward (weights tied by hand across units, a regularizer over the
+  parameters), it has no data.
+  """
+
+  def __init__(self, unit: "XlaFullyShardedDataParallel", name: str,
+               shape: torch.Size, requires_grad: bool):
+    self._unit = weakref.ref(unit)
+    self._name = name
+    self.shape, self.requires_grad = shape, requires_grad
+    self.dtype, self.device = unit.compute_dtype, unit.xla_device
+
+  def size(self, dim: Optional[int] = None) -> Union[torch.Size, int]:
+    return self.shape if dim is None else self.shape[dim]
+
+  def dim(self) -> int:
+    return len(self.shape)
+
+  def _names(self) -> Tuple[str, str]:
+    """The parameter's name and its unit's, from the root."""
+    unit = self._unit()
+    if unit is None:
+      return self._name, "?"
+    return unit._qualified_name(self._name), unit._unit_name()
+
+  def _error(self) -> RuntimeError:
+    name, unit_name = self._names()
+    return RuntimeError(
+        f"Parameter '{name}' is used while the FSDP unit {unit_name}, which "
+        "flattens it, has freed it: its data is gathered only for that "
+        "unit's forward and backward, and it was read by attribute outside "
+        "them. Call the module that holds it, or tie the weights inside one "
+        "FSDP unit, or pass reshard_after_forward=False to that unit (it "
+        "then keeps its parameters gathered from its forward to its "
+        "backward).")
+
+  def __getattr__(self, name: str) -> Any:
+    raise self._error()
+
+  @classmethod
+  def __torch_function__(cls, func, types, args=(), kwargs=None):
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+    raise next(t for t in leaves if isinstance(t, cls))._error()
+
+  def __repr__(self) -> str:
+    return f"<parameter '{self._names()[0]}', freed by FSDP>"
+
+
+def _raise_freed(self, *args: Any) -> None:
+  raise self._error()
+
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+            "and", "or", "xor", "lshift", "rshift"):
+  setattr(_FreedParameter, f"__{_op}__", _raise_freed)
+  setattr(_FreedParameter, f"__r{_op}__", _raise_freed)
+for _op in ("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge", "getitem",
+            "setitem", "len", "iter", "bool", "float", "int", "index", "array"):
+  setattr(_FreedParameter, f"__{_op}__", _raise_freed)
 
 
 def _any_alive(refs: List[weakref.ref]) -> bool:
