@@ -60,7 +60,7 @@ DEFAULT_TARGETS = ('tpu-v5e', 'gpu-a100', 'gpu-h100')
 WORLD_SIZE = 8
 MB = 1e6
 # Changes with what _trace_worker traces (a key of the trace cache).
-TRACE_VERSION = 1
+TRACE_VERSION = 2
 # The report's batch (per device) and the model's width.
 _BATCH, _HIDDEN = 64, 1280
 
@@ -96,32 +96,140 @@ def missing(target: str) -> Optional[str]:
 # Tracing: the step module at world size 8 with real collectives.
 # ---------------------------------------------------------------------------
 
+# Transformers models at a realistic width: at hidden 256 the TPU compiler
+# keeps small buffers in on-chip memory and the HBM figure says little.
+# (hidden, layers, heads, vocabulary, batch, tokens); the feed-forward
+# width of Llama, Qwen2 and T5 is fsdp_real_models' ratio (688 / 256).
+TRANSFORMERS = ('llama', 'gpt2', 't5', 'bert', 'qwen2')
+T_HIDDEN, T_LAYERS, T_HEADS, T_VOCAB, T_BATCH, T_TOKENS = (1024, 4, 16, 8000, 4,
+                                                           128)
+T_FFN = T_HIDDEN * 688 // 256
 
-def _trace_worker(index: int, layers: int, flatten: bool) -> None:
-  """One device's training step of the report model (``torch_xla.launch``)."""
+
+def build_transformer(name: str):
+  """(module returning the language-modelling loss, input ids, layer
+  classes to wrap as FSDP units) of a transformers model, random weights."""
+  import torch
+  import transformers as tf
+  sys.path.insert(0, _HERE)
+  from fsdp_real_models import LanguageModelLoss
+  common = dict(vocab_size=T_VOCAB, attn_implementation='eager')
+  if name == 'llama':
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    model, layer = tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            hidden_size=T_HIDDEN,
+            intermediate_size=T_FFN,
+            num_hidden_layers=T_LAYERS,
+            num_attention_heads=T_HEADS,
+            num_key_value_heads=T_HEADS,
+            max_position_embeddings=T_TOKENS,
+            **common)), LlamaDecoderLayer
+  elif name == 'qwen2':
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+    model, layer = tf.Qwen2ForCausalLM(
+        tf.Qwen2Config(
+            hidden_size=T_HIDDEN,
+            intermediate_size=T_FFN,
+            num_hidden_layers=T_LAYERS,
+            num_attention_heads=T_HEADS,
+            num_key_value_heads=T_HEADS // 4,
+            max_position_embeddings=T_TOKENS,
+            **common)), Qwen2DecoderLayer
+  elif name == 'gpt2':
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    model, layer = tf.GPT2LMHeadModel(
+        tf.GPT2Config(
+            n_embd=T_HIDDEN,
+            n_layer=T_LAYERS,
+            n_head=T_HEADS,
+            n_positions=T_TOKENS,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common)), GPT2Block
+  elif name == 'bert':
+    from transformers.models.bert.modeling_bert import BertLayer
+    model, layer = tf.BertForMaskedLM(
+        tf.BertConfig(
+            hidden_size=T_HIDDEN,
+            num_hidden_layers=T_LAYERS,
+            num_attention_heads=T_HEADS,
+            intermediate_size=4 * T_HIDDEN,
+            max_position_embeddings=T_TOKENS,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **common)), BertLayer
+  elif name == 't5':
+    from transformers.models.t5.modeling_t5 import T5Block
+    model, layer = tf.T5ForConditionalGeneration(
+        tf.T5Config(
+            d_model=T_HIDDEN,
+            d_kv=T_HIDDEN // T_HEADS,
+            d_ff=T_FFN,
+            num_layers=T_LAYERS // 2,
+            num_decoder_layers=T_LAYERS // 2,
+            num_heads=T_HEADS,
+            dropout_rate=0.0,
+            feed_forward_proj='gated-gelu',
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            **common)), T5Block
+  else:
+    raise ValueError(f'unknown model {name!r}: {", ".join(TRANSFORMERS)}')
+  ids = torch.randint(
+      0,
+      T_VOCAB, (T_BATCH, T_TOKENS),
+      generator=torch.Generator().manual_seed(1))
+  return LanguageModelLoss(model.float()), ids, {layer}
+
+
+def _trace_worker(index: int, model_name: str, layers: int,
+                  flatten: bool) -> None:
+  """One device's training step (``torch_xla.launch``): the report model
+  (SGD, batch 64) or a transformers model (AdamW)."""
   sys.path.insert(0, os.path.join(_REPO, 'test'))
+  import functools
   import torch
   import torch_xla
   import fsdp_memory_utils as mu
-  model = mu.wrap_report_model(layers, flatten_parameters=flatten)
-  optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
   device = torch_xla.device()
+  if model_name == 'report':
+    model = mu.wrap_report_model(layers, flatten_parameters=flatten)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
-  # (a function, so that the batch is no longer referenced at the sync and
-  # does not become a graph output)
+    def loss():
+      return model(torch.randn(_BATCH, _HIDDEN, device=device)).sum()
+  else:
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    torch.manual_seed(0)
+    module, ids, classes = build_transformer(model_name)
+    model = FSDP(
+        module,
+        auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls=classes),
+        flatten_parameters=flatten)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = ids.to(device)
+
+    def loss():
+      return model(ids)
+
+  # (a function, so that the batch and the activations are no longer
+  # referenced at the sync and do not become graph outputs)
   def step():
-    x = torch.randn(_BATCH, _HIDDEN, device=device)
     optimizer.zero_grad()
-    model(x).sum().backward()
+    loss().backward()
     optimizer.step()
 
   step()
   torch_xla.sync()
 
 
-def _trace_main(layers: int, flatten: bool) -> None:
+def _trace_main(model_name: str, layers: int, flatten: bool) -> None:
   import torch_xla
-  torch_xla.launch(_trace_worker, args=(layers, flatten))
+  torch_xla.launch(_trace_worker, args=(model_name, layers, flatten))
 
 
 # A module is complete when its ENTRY computation (the last) has ended.
@@ -166,10 +274,12 @@ def trace(stock: Optional[bool],
           layers: int,
           out_dir: Optional[str] = None,
           timeout: float = 600.0,
-          world_size: int = WORLD_SIZE) -> str:
+          world_size: int = WORLD_SIZE,
+          model: str = 'report') -> str:
   """Path of the step module's HLO text (``before_optimizations``) for one
   variant, traced at ``world_size`` (8: with real collectives; 1: the
-  configuration of pytorch/xla#5464).
+  configuration of pytorch/xla#5464). ``model``: 'report' (``layers``
+  deep) or one of ``TRANSFORMERS`` (``T_LAYERS`` deep; ``layers`` unused).
 
   ``stock``: stock torch_xla's FSDP, or this checkout's fixed one; None
   follows ``TORCH_XLA_FSDP_OVERLAY`` (``stock_by_default``). Traces are kept
@@ -193,14 +303,16 @@ def trace(stock: Optional[bool],
   ]:
     with open(path, 'rb') as f:
       digest.update(f.read())
-  name = (f"report-w{world_size}-l{layers}-{'stock' if stock else 'fixed'}-"
+  if model != 'report':
+    layers = T_LAYERS
+  name = (f"{model}-w{world_size}-l{layers}-{'stock' if stock else 'fixed'}-"
           f"{'T' if flatten else 'F'}-{digest.hexdigest()[:12]}.hlo.txt")
   out_dir = out_dir or cache_dir()
   out = os.path.join(out_dir, name)
   if os.path.exists(out):
     return out
   os.makedirs(out_dir, exist_ok=True)
-  what = (f"report model, {layers} layers, {'stock' if stock else 'fixed'} "
+  what = (f"{model} model, {layers} layers, {'stock' if stock else 'fixed'} "
           f"flatten={flatten}")
   what += f', world size {world_size}'
   progress(f'trace: {what} ...')
@@ -220,7 +332,7 @@ def trace(stock: Optional[bool],
   env.pop('XLA_HLO_DEBUG', None)
   proc = subprocess.Popen([
       sys.executable,
-      os.path.abspath(__file__), '_trace', '--layers',
+      os.path.abspath(__file__), '_trace', '--model', model, '--layers',
       str(layers), '--flatten',
       str(int(flatten))
   ],
@@ -436,10 +548,11 @@ def main(argv=None) -> None:
     argv = sys.argv[1:]
   if argv and argv[0] == '_trace':
     p = argparse.ArgumentParser()
+    p.add_argument('--model')
     p.add_argument('--layers', type=int)
     p.add_argument('--flatten', type=int)
     a = p.parse_args(argv[1:])
-    _trace_main(a.layers, bool(a.flatten))
+    _trace_main(a.model, a.layers, bool(a.flatten))
     return
   if argv and argv[0] == '_compile':
     p = argparse.ArgumentParser()
@@ -449,8 +562,9 @@ def main(argv=None) -> None:
     _compile_main(a.target, a.hlo)
     return
   args = parse_args(argv)
-  results = measure(args.layers, args.targets, args.out_dir, args.world_size)
-  print_table(results, args.layers, args.targets, args.world_size)
+  results = measure(args.layers, args.targets, args.out_dir, args.world_size,
+                    args.models)
+  print_table(results, args.targets, args.world_size)
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(results, f, indent=1)
@@ -462,7 +576,21 @@ def parse_args(argv):
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog='\n'.join(__doc__.splitlines()[1:]))
   parser.add_argument(
-      '--layers', type=int, nargs='+', default=[2, 4], metavar='N')
+      '--models',
+      nargs='+',
+      default=['report'],
+      choices=('report',) + TRANSFORMERS,
+      metavar='MODEL',
+      help=f"report (the default) or of {', '.join(TRANSFORMERS)}: "
+      f'transformers at hidden {T_HIDDEN}, {T_LAYERS} layers, {T_HEADS} '
+      f'heads, vocabulary {T_VOCAB}, batch {T_BATCH} x {T_TOKENS}')
+  parser.add_argument(
+      '--layers',
+      type=int,
+      nargs='+',
+      default=[2, 4],
+      metavar='N',
+      help='depths of the report model')
   parser.add_argument(
       '--targets',
       nargs='+',
@@ -485,6 +613,10 @@ def parse_args(argv):
   args = parser.parse_args(argv)
   if min(args.layers) < 1:
     parser.error('--layers must be >= 1')
+  if (set(args.models) & set(TRANSFORMERS) and
+      importlib.util.find_spec('transformers') is None):
+    parser.error('the transformers models need transformers: pip install '
+                 '-e ".[models]"')
   if args.targets is None:
     args.targets = [t for t in DEFAULT_TARGETS if missing(t) is None]
     for t in DEFAULT_TARGETS:
@@ -510,51 +642,84 @@ VARIANTS = {
 def measure(layers: List[int],
             targets: List[str],
             out_dir: Optional[str] = None,
-            world_size: int = WORLD_SIZE) -> List[dict]:
-  """Compile every variant of the report model at each depth for each
-  target; one dict of memory stats per compile."""
+            world_size: int = WORLD_SIZE,
+            models=('report',)) -> List[dict]:
+  """Compile every variant of each model (the report model at each depth)
+  for each target; one dict of memory stats per compile."""
   results = []
-  for n in layers:
-    for variant, (stock, flatten) in VARIANTS.items():
-      hlo = trace(stock, flatten, n, out_dir, world_size=world_size)
-      for target in targets:
-        results.append(
-            dict(compile_hlo(hlo, target), variant=variant, layers=n, hlo=hlo))
+  for model in models:
+    for n in (layers if model == 'report' else [T_LAYERS]):
+      for variant, (stock, flatten) in VARIANTS.items():
+        hlo = trace(
+            stock, flatten, n, out_dir, world_size=world_size, model=model)
+        with open(hlo) as f:
+          gathered = largest_gather_bytes(f.read())
+        for target in targets:
+          results.append(
+              dict(
+                  compile_hlo(hlo, target),
+                  model=model,
+                  variant=variant,
+                  layers=n,
+                  hlo=hlo,
+                  largest_gather_bytes=gathered))
   return results
 
 
-def unit_bytes() -> int:
-  """One layer's gathered parameters (one FSDP unit of the report model)."""
-  return 8 * _HIDDEN * _HIDDEN * 4
+_GATHER_RE = re.compile(r'^\s+%\S+ = (.*?) all-(?:reduce|gather)\(', re.M)
+
+
+def largest_gather_bytes(hlo_text: str) -> int:
+  """The largest parameter a step gathers (with flatten_parameters=True a
+  flat parameter: one unit), in bytes: the largest f32 array that an
+  all-gather returns (torch_xla's all-gather with a pinned layout, FSDP's,
+  is an all-reduce)."""
+  sizes = [0]
+  for m in _GATHER_RE.finditer(hlo_text):
+    for dims in re.findall(r'f32\[([\d,]+)\]', m.group(1)):
+      n = 1
+      for d in dims.split(','):
+        n *= int(d)
+      sizes.append(4 * n)
+  return max(sizes)
 
 
 def print_table(results: List[dict],
-                layers: List[int],
                 targets: List[str],
                 world_size: int = WORLD_SIZE) -> None:
-  find = {(r['target'], r['layers'], r['variant']): r for r in results}
-  print(f'\nReport model, world size {world_size}'
+  """F, stock T and fixed T per model and depth for each target, and the
+  report model's growth per layer."""
+  find = {
+      (r['model'], r['layers'], r['target'], r['variant']): r for r in results
+  }
+  print(f'\nWorld size {world_size}'
         f"{', real collectives' if world_size > 1 else ''}; MB = argument + "
-        'output + temp - alias;\nunits = (fixed T - F) / one layer\'s '
-        f'gathered parameters ({unit_bytes() / MB:.1f} MB)')
-  cols = [('target', 9), ('layers', 6), ('F', 8), ('stock T', 8),
-          ('fixed T', 8), ('fixed/F', 7), ('units', 6)]
+        'output + temp - alias;\nunits = (fixed T - F) / the largest flat '
+        'parameter the fixed step gathers (unit MB)')
+  cols = [('model', 7), ('layers', 6), ('target', 9), ('F', 8), ('stock T', 8),
+          ('fixed T', 8), ('fixed/F', 7), ('unit MB', 7), ('units', 6)]
   print('  '.join(f'{c:>{w}}' for c, w in cols))
-  for target in targets:
-    for n in layers:
-      f, st, fx = (find[(target, n, v)]['total_bytes'] for v in VARIANTS)
+  configs = list(dict.fromkeys((r['model'], r['layers']) for r in results))
+  for model, n in configs:
+    for target in targets:
+      f, st, fx = (find[(model, n, target, v)]['total_bytes'] for v in VARIANTS)
+      unit = find[(model, n, target, 'fixed T')]['largest_gather_bytes']
       row = [
-          target, n, f'{f / MB:.1f}', f'{st / MB:.1f}', f'{fx / MB:.1f}',
-          f'{fx / f:.2f}', f'{(fx - f) / unit_bytes():.2f}'
+          model, n, target, f'{f / MB:.1f}', f'{st / MB:.1f}', f'{fx / MB:.1f}',
+          f'{fx / f:.2f}', f'{unit / MB:.1f}',
+          f'{(fx - f) / unit:.2f}' if unit else '-'
       ]
       print('  '.join(f'{v:>{w}}' for v, (_, w) in zip(row, cols)))
-  if len(layers) > 1:
-    lo, hi = min(layers), max(layers)
-    print(f'\nGrowth per layer from {lo} to {hi} layers, in F\'s growth:')
+  depths = sorted(n for model, n in configs if model == 'report')
+  if len(depths) > 1:
+    lo, hi = depths[0], depths[-1]
+    print(f'\nReport model, growth per layer from {lo} to {hi} layers, in '
+          'F\'s growth:')
     for target in targets:
       growth = {
-          v: (find[(target, hi, v)]['total_bytes'] -
-              find[(target, lo, v)]['total_bytes']) / (hi - lo) for v in VARIANTS
+          v: (find[('report', hi, target, v)]['total_bytes'] -
+              find[('report', lo, target, v)]['total_bytes']) /
+             (hi - lo) for v in VARIANTS
       }
       print(f"  {target}: F {growth['F'] / MB:.1f} MB/layer, stock T "
             f"{growth['stock T'] / growth['F']:.2f}x, fixed T "

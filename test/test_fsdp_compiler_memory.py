@@ -78,8 +78,8 @@ def output_shapes(hlo_path):
   with open(hlo_path) as f:
     header = f.readline()
   m = re.search(r'->\((.*)\)\}', header)
-  sig = re.sub(r'/\*.*?\*/', '', m.group(1) if m else '')
-  return [s.strip() for s in re.sub(r'\{[\d,]*\}', '', sig).split(',')]
+  sig = re.sub(r'\{[\d,]*\}', '', m.group(1) if m else '')
+  return re.findall(r'[a-z]\w*\[[\d,]*\]', sig)
 
 
 class CompilerMemoryTest:
