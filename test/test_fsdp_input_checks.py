@@ -2,8 +2,7 @@
 
 A parameter that is not float32 used to fail in flattening or sharding with
 an error that names no parameter; it still fails there, with an error that
-names it. An option that used to be ignored silently still is, with a
-warning.
+names it.
 """
 
 import functools
@@ -11,12 +10,35 @@ import sys
 import unittest
 
 import torch
+import torch.nn as nn
 from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import test_utils
-from test_fsdp_flatten_features import build
-from test_fsdp_flatten_parity import Block, Net
+
+
+class Block(nn.Module):
+
+  def __init__(self, dim=8):
+    super().__init__()
+    self.fc1 = nn.Linear(dim, dim)
+    self.fc2 = nn.Linear(dim, dim)
+
+  def forward(self, x):
+    return self.fc2(self.fc1(x))
+
+
+class Net(nn.Module):
+
+  def __init__(self, num_blocks=2, dim=8):
+    super().__init__()
+    self.blocks = nn.ModuleList([Block(dim) for _ in range(num_blocks)])
+    self.head = nn.Linear(dim, 2)
+
+  def forward(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
 
 
 class TestBadInput(test_utils.XlaTestCase):
@@ -51,14 +73,6 @@ class TestBadInput(test_utils.XlaTestCase):
     with self.assertRaisesRegex(TypeError,
                                 r"'head\.weight' of Net is torch\.float16"):
       FSDP(net)
-
-  def test_shard_param_on_dim_0_with_flatten(self):
-    # not applied, as before (upstream's MNIST and ImageNet FSDP tests pass
-    # both flags), with a warning
-    with self.assertWarnsRegex(UserWarning,
-                               'shard_param_on_dim_0=True does not apply'):
-      model = build('plain', True, shard_param_on_dim_0=True)
-    self.assertFalse(model._shard_param_on_dim_0)
 
 
 if __name__ == '__main__':

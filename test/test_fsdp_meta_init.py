@@ -13,6 +13,8 @@ consolidated checkpoint.
 import itertools
 import sys
 import unittest
+import weakref
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -116,6 +118,29 @@ class TestMetaInit(test_utils.XlaTestCase):
               rtol=1e-6,
               atol=1e-7,
               msg=lambda m: f'{name}: {m}')
+
+  def test_init_sync_does_not_keep_the_original_parameters(self):
+    # execute_sharding_on_init syncs to free the full parameters. A parameter
+    # made on the XLA device is sharded and freed as a copy; the original,
+    # which holds the full data, must be unreferenced by then, or the sync
+    # keeps its data as an output.
+    net = Net(device=torch_xla.device())
+    net.reset_parameters()
+    originals = [weakref.ref(p) for p in net.parameters()]
+    alive_at_sync = []
+    sync = torch_xla.sync
+
+    def record_and_sync(*args, **kwargs):
+      alive_at_sync.extend(r() for r in originals if r() is not None)
+      return sync(*args, **kwargs)
+
+    with mock.patch.object(torch_xla, 'sync', side_effect=record_and_sync):
+      model = FSDP(net, flatten_parameters=False)
+    # (without functionalization, FSDP frees the originals themselves)
+    freed_by_fsdp = [
+        p for p in alive_at_sync if any(p is q for q in model.full_params)
+    ]
+    self.assertEqual(len(freed_by_fsdp), len(alive_at_sync))
 
 
 if __name__ == '__main__':

@@ -384,12 +384,6 @@ class XlaFullyShardedDataParallel(nn.Module):
       raise ValueError(
           "coalesce_all_gather_ops=True needs pin_layout_in_collective_ops="
           "False: xm.all_gather does not pin the layout of a list of tensors.")
-    if flatten_parameters and shard_param_on_dim_0:
-      warnings.warn(
-          "shard_param_on_dim_0=True does not apply with "
-          "flatten_parameters=True, which shards the flattened parameters "
-          "(it only pads their shards to a multiple of the world size "
-          "instead of 128 times it).")
 
     super().__init__()
 
@@ -619,6 +613,9 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     if execute_sharding_on_init:
       # Execute the parameter sharding immediately and free up the memory
+      # (of parameters made on the XLA device too, sharded as copies: these
+      # lists must not keep the originals alive through the sync)
+      params = non_flatten_params = params_to_shard = param = None
       gc.collect()
       torch_xla.sync()
 
@@ -1682,23 +1679,12 @@ class XlaFullyShardedDataParallel(nn.Module):
         if not self.coalesce_all_gather_ops:
           if apply_opt_barrier:
             self.optimization_barrier_op([p_padded])
-          with torch.autograd._unsafe_preserve_version_counter(p):
-            if self._shard_param_on_dim_0:
-              if XLA_DISABLE_FUNCTIONALIZATION:
-                p.data = p_padded[:p_shard._orig_size[
-                    0]]  # Old behavior before Functionalization.
-              else:
-                torch_xla._XLAC._replace_xla_tensor(
-                    p, p_padded[:p_shard._orig_size[0]])
-            else:
-              if XLA_DISABLE_FUNCTIONALIZATION:
-                p.data = p_padded[:p_shard._orig_size.numel()].view(
-                    p_shard._orig_size
-                )  # Old behavior before Functionalization.
-              else:
-                torch_xla._XLAC._replace_xla_tensor(
-                    p, p_padded[:p_shard._orig_size.numel()].view(
-                        p_shard._orig_size))
+          if self._shard_param_on_dim_0:
+            _swap_data(p, p_padded[:p_shard._orig_size[0]])
+          else:
+            _swap_data(
+                p,
+                p_padded[:p_shard._orig_size.numel()].view(p_shard._orig_size))
           self._point_unflattened_params(p)
         p._has_full_param = True
 
