@@ -617,6 +617,20 @@ class TestUsedOutsideItsUnit(test_utils.XlaTestCase):
       finally:
         CallsLater.call = False
 
+  def test_parameter_captured_in_forward_is_nan_after_it(self):
+    # A tensor taken from a submodule inside its unit's forward (here by a
+    # forward hook) has no data after that forward: its use must not give a
+    # plausible number (with the unit's zero placeholder, 0 for a norm).
+    model = build('plain', True)
+    captured = []
+    model.blocks[0].fc2.register_forward_hook(
+        lambda module, args, out: captured.append(module.weight))
+    x, _ = make_batch()
+    with torch.no_grad():
+      model(x)
+      norm = captured[0].pow(2).sum()
+    self.assertTrue(torch.isnan(norm).item())
+
   def test_deepcopy_raises(self):
     # (a copy would lose the unit's state of the original parameters)
     with self.assertRaisesRegex(RuntimeError, 'cannot be copied'):

@@ -50,7 +50,6 @@ from .wrap import recursive_wrap
 from ._init_utils import _materialize_module
 
 import os
-import re
 
 XLA_DISABLE_FUNCTIONALIZATION = bool(
     os.environ.get('XLA_DISABLE_FUNCTIONALIZATION', False))
@@ -174,17 +173,18 @@ class XlaFullyShardedDataParallel(nn.Module):
           (weights tied by hand across FSDP units, a regularizer over the
           parameters), any use of one raises an error that names it: call
           the module that holds it, tie the weights inside one unit, or pass
-          ``reshard_after_forward=False`` to this module. A submodule called
-          outside this module's forward while they are freed gathers them
-          only inside the forward of another FSDP unit of the model (which
-          shares it, or calls it through this module's attributes), a call
-          that every rank makes: in the model's first forward, this module
-          then keeps them gathered after forward from then on, as with
-          ``reshard_after_forward=False`` (with a warning); in a later
-          forward it raises an error. Called outside every FSDP forward
-          (e.g. a probe between steps, which some ranks may not make), it
-          raises an error. Such a module cannot be deep-copied or pickled
-          (an error says what to do instead).
+          ``reshard_after_forward=False`` to this module. A tensor taken
+          from a submodule in forward and used after it holds NaN once
+          freed. A submodule called outside this module's forward while they
+          are freed gathers them only inside the forward of another FSDP
+          unit of the model (which shares it, or calls it through this
+          module's attributes), a call that every rank makes: in the
+          model's first forward, this module then keeps them gathered after
+          forward from then on, as with ``reshard_after_forward=False`` (with
+          a warning); in a later forward it raises an error. Called outside
+          every FSDP forward (e.g. a probe between steps, which some ranks may
+          not make), it raises an error. Such a module cannot be deep-copied
+          or pickled (an error says what to do instead).
       execute_sharding_on_init (bool, Optional):
           if ``True``, immediately execute the parameter sharding via
           `torch_xla.sync()` to free up the memory of the full parameters.
@@ -1073,9 +1073,8 @@ class XlaFullyShardedDataParallel(nn.Module):
   def _qualified_name(self, name: str) -> str:
     """``name``, relative to this unit, from the root (FSDP's wrappers left
     out)."""
-    name = ".".join(n for n in (self._name_in_model, name) if n)
-    return re.sub(r"(_fsdp_wrapped_module|_fpw_module)\.?", "",
-                  name).strip(".").replace("..", ".")
+    return ".".join(n for n in f"{self._name_in_model}.{name}".split(".")
+                    if n and n not in ("_fsdp_wrapped_module", "_fpw_module"))
 
   def _unit_name(self) -> str:
     name = self._qualified_name("")
@@ -1964,7 +1963,11 @@ class _UnflattenedParams:
                optimization_barrier_op: Optional[Callable],
                unit: "XlaFullyShardedDataParallel"):
     self._flat_param = flat_param
-    self._placeholder = placeholder
+    # A tensor taken from a submodule in forward and used after it (e.g. by
+    # a forward hook that collects weights) holds this once freed: NaN makes
+    # such a use show, where the zeros of the unit's placeholder would give
+    # a plausible number (e.g. 0 for a weight's norm).
+    self._placeholder = torch.full_like(placeholder, float("nan"))
     self._optimization_barrier_op = optimization_barrier_op
     self._holding: List[List[weakref.ref]] = []
     self._freed: List[List[weakref.ref]] = []
@@ -2070,18 +2073,39 @@ class _FreedParameter:
       return self._name, "?"
     return unit._qualified_name(self._name), unit._unit_name()
 
-  def _error(self) -> RuntimeError:
+  def numel(self) -> int:
+    return self.shape.numel()
+
+  nelement = numel
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  def is_floating_point(self) -> bool:
+    return self.dtype.is_floating_point
+
+  def _error(self) -> "_FreedParameterError":
     name, unit_name = self._names()
-    return RuntimeError(
+    unit = self._unit()
+    if unit is None or unit._model is None:
+      return _FreedParameterError(
+          f"Parameter '{name}' of the FSDP unit {unit_name} is used before "
+          "the model's first forward, while FSDP holds only its shards. "
+          "Initialize parameters before wrapping the module (or with "
+          "param_init_fn), or load them with load_state_dict().")
+    return _FreedParameterError(
         f"Parameter '{name}' is used while the FSDP unit {unit_name}, which "
         "flattens it, has freed it: its data is gathered only for that "
         "unit's forward and backward, and it was read by attribute outside "
         "them. Call the module that holds it, or tie the weights inside one "
         "FSDP unit, or pass reshard_after_forward=False to that unit (it "
         "then keeps its parameters gathered from its forward to its "
-        "backward).")
+        "backward; between training steps they are freed).")
 
   def __getattr__(self, name: str) -> Any:
+    # An AttributeError, so that hasattr() and getattr() with a default
+    # answer as for an object without the attribute.
     raise self._error()
 
   @classmethod
@@ -2091,6 +2115,10 @@ class _FreedParameter:
 
   def __repr__(self) -> str:
     return f"<parameter '{self._names()[0]}', freed by FSDP>"
+
+
+class _FreedParameterError(AttributeError, RuntimeError):
+  """A use of an original parameter of a flat parameter that FSDP freed."""
 
 
 def _raise_freed(self, *args: Any) -> None:
