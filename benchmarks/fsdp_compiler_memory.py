@@ -60,7 +60,7 @@ DEFAULT_TARGETS = ('tpu-v5e', 'gpu-a100', 'gpu-h100')
 WORLD_SIZE = 8
 MB = 1e6
 # Changes with what _trace_worker traces (a key of the trace cache).
-TRACE_VERSION = 3
+TRACE_VERSION = 5
 # The report's batch (per device) and the model's width.
 _BATCH, _HIDDEN = 64, 1280
 
@@ -99,11 +99,12 @@ def missing(target: str) -> Optional[str]:
 # Transformers models at a realistic width: at hidden 256 the TPU compiler
 # keeps small buffers in on-chip memory and the HBM figure says little.
 # (hidden, layers, heads, vocabulary, batch, tokens); the feed-forward
-# width of Llama, Qwen2 and T5 is fsdp_real_models' ratio (688 / 256).
+# width of Llama, Qwen2 and T5 is Llama's 8/3 of the hidden width, rounded
+# up to a multiple of 256 (GPT-2 and BERT: 4 times the width).
 TRANSFORMERS = ('llama', 'gpt2', 't5', 'bert', 'qwen2')
 T_HIDDEN, T_LAYERS, T_HEADS, T_VOCAB, T_BATCH, T_TOKENS = (1024, 4, 16, 8000, 4,
                                                            128)
-T_FFN = T_HIDDEN * 688 // 256
+T_FFN = -(-8 * T_HIDDEN // 3 // 256) * 256
 
 
 def build_transformer(name: str):
@@ -113,7 +114,12 @@ def build_transformer(name: str):
   import transformers as tf
   sys.path.insert(0, _HERE)
   from fsdp_real_models import LanguageModelLoss
-  common = dict(vocab_size=T_VOCAB, attn_implementation='eager')
+  # Untied input and output embeddings (as Llama's and Qwen2's defaults)
+  # make the root unit (embeddings and head) the largest.
+  common = dict(
+      vocab_size=T_VOCAB,
+      tie_word_embeddings=False,
+      attn_implementation='eager')
   if name == 'llama':
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     model, layer = tf.LlamaForCausalLM(
@@ -444,7 +450,7 @@ def _to_mlir(hlo_text: str):
   return context, mlir_module, len(donors), aliased
 
 
-def _compile_main(target: str, hlo_path: str) -> None:
+def _compile_main(target: str, hlo_path: str, dump_to: str = '') -> None:
   """Compile one HLO module for ``target``; print its memory stats (JSON)."""
   platform, spec = TARGETS[target]
   import jax
@@ -476,6 +482,10 @@ def _compile_main(target: str, hlo_path: str) -> None:
   options.num_partitions = 1
   options.device_assignment = xla_client.DeviceAssignment.create(
       np.arange(replicas).reshape(replicas, 1))
+  if dump_to:
+    # the compiler's buffer assignment and memory-usage report: what is
+    # live at its peak
+    options.executable_build_options.debug_options.xla_dump_to = dump_to
   start = time.time()
   with context:
     executable = devices[0].client.compile(
@@ -521,9 +531,13 @@ def compile_env(target: str) -> Dict[str, str]:
   return env
 
 
-def compile_hlo(hlo_path: str, target: str, timeout: float = 900.0) -> dict:
+def compile_hlo(hlo_path: str,
+                target: str,
+                timeout: float = 900.0,
+                dump_to: Optional[str] = None) -> dict:
   """Memory stats of compiling ``hlo_path`` for ``target``, in a process of
-  its own."""
+  its own; with ``dump_to``, the compiler's dumps (buffer assignment,
+  memory-usage report on TPU) go to that folder."""
   why = missing(target)
   if why:
     raise RuntimeError(f'cannot compile for {target}: {why}')
@@ -531,7 +545,7 @@ def compile_hlo(hlo_path: str, target: str, timeout: float = 900.0) -> dict:
   out = subprocess.run([
       sys.executable,
       os.path.abspath(__file__), '_compile', '--target', target, '--hlo',
-      hlo_path
+      hlo_path, '--dump-to', dump_to or ''
   ],
                        env=compile_env(target),
                        capture_output=True,
@@ -561,12 +575,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument('--target')
     p.add_argument('--hlo')
+    p.add_argument('--dump-to', default='')
     a = p.parse_args(argv[1:])
-    _compile_main(a.target, a.hlo)
+    _compile_main(a.target, a.hlo, a.dump_to)
     return
   args = parse_args(argv)
   results = measure(args.layers, args.targets, args.out_dir, args.world_size,
-                    args.models)
+                    args.models, args.dump_to)
   print_table(results, args.targets, args.world_size)
   if args.json:
     with open(args.json, 'w') as f:
@@ -612,6 +627,11 @@ def parse_args(argv):
       default=WORLD_SIZE,
       help=f'{WORLD_SIZE}: real collectives on {WORLD_SIZE} CPU devices; 1: '
       'the configuration of pytorch/xla#5464')
+  parser.add_argument(
+      '--dump-to',
+      metavar='DIR',
+      help="the compilers' dumps, DIR/TARGET/STEP MODULE/: buffer "
+      'assignment (and on TPU a memory-usage report) of each step')
   parser.add_argument('--json', help='write the results there')
   args = parser.parse_args(argv)
   if min(args.layers) < 1:
@@ -646,7 +666,8 @@ def measure(layers: List[int],
             targets: List[str],
             out_dir: Optional[str] = None,
             world_size: int = WORLD_SIZE,
-            models=('report',)) -> List[dict]:
+            models=('report',),
+            dump_to: Optional[str] = None) -> List[dict]:
   """Compile every variant of each model (the report model at each depth)
   for each target; one dict of memory stats per compile."""
   results = []
@@ -660,7 +681,12 @@ def measure(layers: List[int],
         for target in targets:
           results.append(
               dict(
-                  compile_hlo(hlo, target),
+                  compile_hlo(
+                      hlo,
+                      target,
+                      dump_to=dump_to and
+                      os.path.join(dump_to, target,
+                                   os.path.basename(hlo)[:-len('.hlo.txt')])),
                   model=model,
                   variant=variant,
                   layers=n,
