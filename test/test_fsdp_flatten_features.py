@@ -608,7 +608,7 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
         finalize = model._wait_for_post_backward
 
         def end_of_backward():
-          gathered.extend(m for m in model.modules()
+          gathered.extend(name for name, m in model.named_modules()
                           if isinstance(m, FSDP) and m is not model and any(
                               p._has_full_param for p in m.full_params))
           finalize()
