@@ -175,6 +175,50 @@ def gelu_model(num_layers=2, hidden=512, tokens=8):
           torch.randn(tokens, hidden), {GeluBlock})
 
 
+class TorchCheckpointLayer(Layer):
+  """A ``Layer`` whose forward checkpoints each of its two blocks with
+  ``torch.utils.checkpoint``."""
+
+  def __init__(self, hidden=HIDDEN, use_reentrant=True):
+    super().__init__(hidden)
+    self.use_reentrant = use_reentrant
+
+  def forward(self, x):
+    for block in (self.sb1, self.sb2):
+      x = fsdp_test_utils.torch_checkpoint(
+          block, x, use_reentrant=self.use_reentrant)
+    return F.softmax(x, dim=1)
+
+
+def inner_checkpoint_model(num_layers=2,
+                           hidden=512,
+                           tokens=8,
+                           style='checkpoint_module'):
+  """``Layer``s (units) whose two blocks are checkpointed one by one, after
+  a Linear of the root (so that the first unit's input requires a
+  gradient): with torch_xla's ``checkpoint_module`` ('checkpoint_module'),
+  or inside the Layer's forward with ``torch.utils.checkpoint``
+  ('reentrant', 'non_reentrant'). A ``--model`` function."""
+  layers = []
+  for _ in range(num_layers):
+    if style == 'checkpoint_module':
+      layer = Layer(hidden)
+      layer.sb1, layer.sb2 = map(checkpoint_module, (layer.sb1, layer.sb2))
+    else:
+      layer = TorchCheckpointLayer(hidden, style == 'reentrant')
+    layers.append(layer)
+  return (nn.Sequential(nn.Linear(hidden, hidden),
+                        *layers), torch.randn(tokens, hidden), {Layer})
+
+
+def torch_reentrant_checkpoint_model(num_layers=2):
+  return inner_checkpoint_model(num_layers, style='reentrant')
+
+
+def torch_non_reentrant_checkpoint_model(num_layers=2):
+  return inner_checkpoint_model(num_layers, style='non_reentrant')
+
+
 # ---------------------------------------------------------------------------
 # Simulated world sizes.
 # ---------------------------------------------------------------------------

@@ -3,7 +3,9 @@ counting the collectives FSDP issues. Importing this module sets no XLA
 flag."""
 
 import contextlib
+import types
 
+import torch
 import torch.nn as nn
 import torch_xla.runtime as xr
 from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
@@ -42,6 +44,16 @@ def simulated_world_size(world_size: int, rank: int = 0):
         _debug_dummy_reduce_scatter_op=True)
   finally:
     xr.world_size, xr.global_ordinal = orig
+
+
+def torch_checkpoint(function, *args, use_reentrant):
+  """``torch.utils.checkpoint.checkpoint`` of XLA tensors, without their RNG
+  state: it looks up the device module of its inputs' device (``torch.xla``,
+  which torch_xla does not register) even then, and an empty one does."""
+  if not hasattr(torch, 'xla'):
+    torch._register_device_module('xla', types.ModuleType('torch.xla'))
+  return torch.utils.checkpoint.checkpoint(
+      function, *args, use_reentrant=use_reentrant, preserve_rng_state=False)
 
 
 class _CountingReduceScatter:

@@ -30,7 +30,8 @@ from torch_xla.distributed.fsdp.state_dict_utils import (
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import test_utils
-from fsdp_test_utils import count_collectives, simulated_world_size
+from fsdp_test_utils import (count_collectives, simulated_world_size,
+                             torch_checkpoint)
 from test_fsdp_flatten_parity import Block, Net
 
 STEPS = 3
@@ -68,6 +69,20 @@ class SometimesBlock(Block):
   def forward(self, x):
     x = super().forward(x)
     return x + self.extra(x) if self.use_extra else x
+
+
+class TorchCheckpointBlock(Block):
+  """Checkpoints its two layers with ``torch.utils.checkpoint``: two
+  recomputes in its unit's backward (with ``use_reentrant``)."""
+
+  use_reentrant = True
+
+  def forward(self, x):
+    if not x.requires_grad:  # (as checkpoint_module)
+      return super().forward(x)
+    h = torch_checkpoint(
+        lambda x: F.relu(self.fc1(x)), x, use_reentrant=self.use_reentrant)
+    return x + torch_checkpoint(self.fc2, h, use_reentrant=self.use_reentrant)
 
 
 class CallsBeforeOwner(Net):
@@ -145,6 +160,18 @@ def make_net(features):
     net.blocks.append(net.blocks[0])
   if 'reachable_from_root' in features:
     net.first_fc1 = net.blocks[0].fc1  # a handle, never called by the root
+  for feature, use_reentrant in (('torch_checkpoint_inside', True),
+                                 ('torch_checkpoint_inside_non_reentrant',
+                                  False)):
+    if feature in features:
+      for i in range(len(net.blocks)):
+        net.blocks[i] = TorchCheckpointBlock()
+        net.blocks[i].use_reentrant = use_reentrant
+  if 'checkpoint_modules_inside' in features:
+    # recomputes that call modules (of the unit) in turn
+    for block in net.blocks:
+      block.fc1 = checkpoint_module(nn.Sequential(block.fc1))
+      block.fc2 = checkpoint_module(nn.Sequential(block.fc2))
   if 'checkpoint_inside' in features:
     # two recomputes in one unit's backward
     for block in net.blocks:
@@ -448,6 +475,16 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
       with self.subTest(feature=feature):
         self.assert_same(train(feature, True), train(feature, False))
 
+  def test_checkpoint_inside_unit_same_as_unflattened(self):
+    # (a recompute that calls a module of the unit used to fail once a part
+    # of the unit's gradient was in: with torch.utils.checkpoint, reentrant,
+    # the unit freed its parameters with it; with checkpoint_module, the
+    # unit no longer counted them as gathered)
+    for feature in ('checkpoint_modules_inside', 'torch_checkpoint_inside',
+                    'torch_checkpoint_inside_non_reentrant'):
+      with self.subTest(feature=feature):
+        self.assert_same(train(feature, True), train(feature, False))
+
   def test_batchnorm_same_as_unflattened(self):
     # (XLA may order BatchNorm's reductions differently in the two graphs:
     # 2 float32 ulps on a loss)
@@ -558,6 +595,28 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
         with torch.no_grad() if mode == 'no_grad' else torch.enable_grad():
           model(x)
         assert_freed()
+
+  def test_checkpointed_inside_freed_with_last_gradient_part(self):
+    # Each recompute of a checkpointed submodule gives a part of its unit's
+    # gradient. The unit frees its gathered parameters with the last part,
+    # not at the end of backward, which kept every unit's until then.
+    for feature in ('checkpoint_inside', 'torch_checkpoint_inside',
+                    'torch_checkpoint_inside_non_reentrant'):
+      with self.subTest(feature=feature):
+        model = build(feature, True)
+        gathered = []
+        finalize = model._wait_for_post_backward
+
+        def end_of_backward():
+          gathered.extend(name for name, m in model.named_modules()
+                          if isinstance(m, FSDP) and m is not model and any(
+                              p._has_full_param for p in m.full_params))
+          finalize()
+
+        model._wait_for_post_backward = end_of_backward
+        x, y = make_batch()
+        F.cross_entropy(model(x), y).backward()
+        self.assertEqual(gathered, [])
 
   def test_live_tensors_do_not_grow(self):
     # Units that keep their gathered data between forwards (the root always,

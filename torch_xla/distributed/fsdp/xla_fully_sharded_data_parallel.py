@@ -608,6 +608,9 @@ class XlaFullyShardedDataParallel(nn.Module):
     self._forward_in_chkpt_bwd = False
     self._checkpointed_as_a_whole = hasattr(
         self.module.module, "_xla_checkpointed_forward_original")
+    # Parts of the flat parameter's gradient expected in this backward (as
+    # counted in forward) and received (see `_count_grad_parts`).
+    self._grad_parts = {"expected": 0, "received": 0, "main": False}
     # (set by the root, see `_set_is_root`)
     self._model, self._name_in_model = None, ""
 
@@ -1036,7 +1039,10 @@ class XlaFullyShardedDataParallel(nn.Module):
     Anywhere else it raises an error: an all-gather issued from there may
     be issued by some ranks only.
     """
-    if self.training_state == TrainingState.FORWARD or self.has_full_params:
+    # (`has_full_params` is cleared by the freeing of a gradient, while the
+    # recompute of a checkpointed submodule may still read the parameters)
+    if (self.training_state == TrainingState.FORWARD or
+        all(p._has_full_param for p in self.full_params)):
       return
     name = self._qualified_name(module_name)
     unit = self._unit_name()
@@ -1138,6 +1144,7 @@ class XlaFullyShardedDataParallel(nn.Module):
       # Run a dummy forward pass by summing the inputs and full parameter.
       # This can be used to debug FSDP parameter memory consumption.
       outputs = self._dummy_forward(*args, **kwargs)
+    self._count_grad_parts(outputs)
 
     # Allgather reduction optimization: if this forward is a recompute forward
     # in checkpoint, then we do not reshard here, so that the following backward
@@ -1175,6 +1182,53 @@ class XlaFullyShardedDataParallel(nn.Module):
       self._model["first_forward_done"] = True
 
     return outputs
+
+  def _count_grad_parts(self, outputs: Any) -> None:
+    """
+    Count the parts in which the flat parameter's gradient will come in
+    backward, so that ``_post_backward_hook`` frees it after the last one.
+    A reentrant activation checkpoint (torch_xla's ``checkpoint_module``,
+    ``torch.utils.checkpoint`` with ``use_reentrant=True``) of submodules
+    of this module reads the original parameters only in its recompute,
+    whose own backward gives one part of the gradient; the next recompute
+    still reads them. Autograd gives the rest of the gradient in one part
+    per backward (one in the model's, also for a module used twice; one in
+    each recompute's if the module itself is recomputed). Counting too many
+    parts only frees at the end of backward (`_finalize_parameters`).
+    """
+    flat = [p for p in self.full_params if isinstance(p, FlatParameter)]
+    if not (flat and flat[0].requires_grad and torch.is_grad_enabled()):
+      return
+    params = flat[0]._unflattened_params.made_with_grad()
+    node = params[0].grad_fn if params else None
+    if node is None:
+      return
+    regions, reached = 0, False
+    todo = [t.grad_fn for t in collect_tensors(outputs)]
+    seen = set()
+    while todo:
+      f = todo.pop()
+      # (nodes made before this forward are not this module's)
+      if f is None or f in seen or f._sequence_nr() < node._sequence_nr():
+        continue
+      seen.add(f)
+      reached = reached or f is node
+      # A checkpoint's node holds its function; an inner FSDP module has
+      # counted those of its own forward.
+      if (hasattr(f, "run_function") and
+          not getattr(f, "_fsdp_counted", False)):
+        f._fsdp_counted = True
+        regions += 1
+      todo.extend(g for g, _ in f.next_functions)
+    parts = self._grad_parts
+    parts["expected"] += regions
+    if reached:
+      # (a forward inside backward is a recompute: its backward is its own)
+      if torch._C._current_graph_task_id() != -1:
+        parts["expected"] += 1
+      elif not parts["main"]:
+        parts["main"] = True
+        parts["expected"] += 1
 
   def _dummy_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
     """
@@ -1416,11 +1470,17 @@ class XlaFullyShardedDataParallel(nn.Module):
       # bandwidth but uses more XLA device memory.
       # A flat param's gradient may come in parts, one from the recompute of
       # each checkpointed submodule (inside this module's forward): the next
-      # recompute still reads it, so it is freed at the end of backward, in
-      # `_finalize_parameters`. Each part is reduce-scattered when it comes.
-      if not (isinstance(param, FlatParameter) and chkpt_status.in_chkpt_bwd and
-              not self._forward_in_chkpt_bwd and
-              not self._checkpointed_as_a_whole):
+      # recompute still reads it, so it is freed with the last part, as
+      # counted in forward (`_count_grad_parts`). Each part is
+      # reduce-scattered when it comes. A module recomputed as a whole
+      # gathers its parameters again for each recompute.
+      last_part = True
+      if (isinstance(param, FlatParameter) and
+          not self._forward_in_chkpt_bwd and not self._checkpointed_as_a_whole):
+        self._grad_parts["received"] += 1
+        last_part = (
+            self._grad_parts["received"] >= self._grad_parts["expected"])
+      if last_part:
         self._free_full_params(
             [param],
             dependency_tensors=[grad],
@@ -1526,6 +1586,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     # A backward pass is done, clean up below.
     def _finalize_parameters(fsdp_module: XlaFullyShardedDataParallel) -> None:
       """Helper used below on all fsdp modules."""
+      fsdp_module._grad_parts = {"expected": 0, "received": 0, "main": False}
       frozen_params = []
       for p in fsdp_module.full_params:
         if not p.requires_grad:
@@ -2000,6 +2061,11 @@ class _UnflattenedParams:
     self._holding = [refs for refs in self._holding if _any_alive(refs)]
     self._holding.append([weakref.ref(t) for t in params])
     return params
+
+  def made_with_grad(self) -> List[torch.Tensor]:
+    """The latest tensors made, if made for autograd (else empty)."""
+    made = self._latest
+    return list(made) if made and isinstance(made[0], torch.Tensor) else []
 
   def free(self) -> None:
     """Free the tensors that hold data, as the flat parameter is freed."""
