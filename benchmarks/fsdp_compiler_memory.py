@@ -702,10 +702,15 @@ def largest_gather_bytes(hlo_text: str) -> int:
   """The largest parameter a step gathers (with flatten_parameters=True a
   flat parameter: one unit), in bytes: the largest f32 array that an
   all-gather returns (torch_xla's all-gather with a pinned layout, FSDP's,
-  is an all-reduce)."""
+  is an all-reduce). At world size 1, where nothing is gathered, the
+  largest flat f32 argument of the step (a whole flat parameter)."""
+  shapes = [m.group(1) for m in _GATHER_RE.finditer(hlo_text)]
+  if not shapes:
+    entry = re.search(r'^ENTRY [^(]*\((.*)\) ->', hlo_text, re.M)
+    shapes = re.findall(r'f32\[\d+\]', entry.group(1) if entry else '')
   sizes = [0]
-  for m in _GATHER_RE.finditer(hlo_text):
-    for dims in re.findall(r'f32\[([\d,]+)\]', m.group(1)):
+  for shape in shapes:
+    for dims in re.findall(r'f32\[([\d,]+)\]', shape):
       n = 1
       for d in dims.split(','):
         n *= int(d)
