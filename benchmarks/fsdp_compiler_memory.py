@@ -9,7 +9,8 @@ compiling for one of XLA's GPU target specs).
 
 A step is traced once per variant (stock or fixed FSDP, flatten_parameters
 False or True) at world size 8 with real collectives: 8 CPU devices
-(``PJRT_DEVICE=CPU CPU_NUM_DEVICES=8``, ``torch_xla.launch``) trace it and
+(``PJRT_DEVICE=CPU CPU_NUM_DEVICES=8``, ``torch_xla.launch``: on CPU one
+process with a thread per device) trace it and
 XLA:CPU dumps the step module (the one with a reduce-scatter) before
 compiling it. Executing its collectives may hang on CPU, so the tracing
 processes are ended as soon as that dump is complete. The module is then
