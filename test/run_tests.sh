@@ -56,6 +56,7 @@ function run_test_without_functionalization {
 run_test test_fsdp_flatten_features.py
 run_test_without_functionalization test_fsdp_flatten_features.py
 run_test test_fsdp_flatten_memory.py
+run_test test_fsdp_compiler_memory.py
 run_test test_fsdp_flatten_vs_stock.py
 run_test test_fsdp_memory_measurement.py
 
