@@ -42,6 +42,17 @@ import fsdp_memory_utils as mu  # noqa: E402
 VARIANTS = [('stock', False), ('stock', True), ('patched', False),
             ('patched', True)]
 REAL_MODELS = ('llama', 'gpt2', 't5')  # functions of fsdp_real_models
+# Activation checkpointing inside each unit (fsdp_memory_utils), SGD, at each
+# of --layers and the largest of --world-sizes: two blocks checkpointed one
+# by one with checkpoint_module, or torch.utils.checkpoint inside a unit.
+INNER_CHECKPOINT = {
+    'ckpt-inside':
+        'fsdp_memory_utils:inner_checkpoint_model',
+    'torch-ckpt-reentrant':
+        'fsdp_memory_utils:torch_reentrant_checkpoint_model',
+    'torch-ckpt-non-reentrant':
+        'fsdp_memory_utils:torch_non_reentrant_checkpoint_model',
+}
 MB = 1e6
 # An explicit (empty) list of disabled passes stops the helper from adding
 # its own, which keeps the barriers.
@@ -69,12 +80,14 @@ def parse_args(argv):
   parser.add_argument(
       '--models',
       nargs='+',
-      default=['report', *REAL_MODELS],
+      default=['report', *REAL_MODELS, *INNER_CHECKPOINT],
       metavar='MODEL',
       help="'report' (the report's model, at each of --layers), "
-      f"{', '.join(REAL_MODELS)} (transformers), or package.module:function "
-      'returning (module, example batch, classes to wrap as units); '
-      'default: all but your own')
+      f"{', '.join(REAL_MODELS)} (transformers), "
+      f"{', '.join(INNER_CHECKPOINT)} (checkpointing inside each unit, at "
+      'each of --layers and the largest world size), or '
+      'package.module:function returning (module, example batch, classes to '
+      'wrap as units); default: all but your own')
   parser.add_argument('--steps', type=int, default=4)
   parser.add_argument('--out', default=os.path.join('out', 'report'))
   parser.add_argument(
@@ -116,6 +129,8 @@ def configs_of(args):
   for model in args.models:
     if model == 'report':
       configs += [(model, w, l) for w in args.world_sizes for l in args.layers]
+    elif model in INNER_CHECKPOINT:
+      configs += [(model, max(args.world_sizes), l) for l in args.layers]
     elif model in REAL_MODELS and importlib.util.find_spec(
         'transformers') is None:
       print(f'skipping {model}: needs transformers (pip install ".[models]")')
@@ -147,7 +162,11 @@ def measure_all(args):
         f'{" (simulated)" if world_size > 1 else ""}'
         f'{f", {layers} layers" if layers else ""}, {label(build, flatten)}')
     print(f'[{i}/{total}] {what} ...', end=' ', flush=True)
-    kwargs = dict(layers=layers) if layers else dict(model=model_spec(model))
+    if model in INNER_CHECKPOINT:
+      kwargs = dict(
+          model=INNER_CHECKPOINT[model], layers=layers, optimizer='sgd')
+    else:
+      kwargs = dict(layers=layers) if layers else dict(model=model_spec(model))
     stats = mu.measure_in_subprocess(
         stock=build == 'stock',
         world_size=world_size,
@@ -186,7 +205,7 @@ def print_models_table(results):
   rows = list(
       dict.fromkeys((r['model'], r['world_size'])
                     for r in results
-                    if r['model'] != 'report'))
+                    if r['layers'] is None))
   if not rows:
     return
   print('\nModels (total MB = XLA\'s "Total bytes used"; F = flatten=False, '
@@ -214,11 +233,42 @@ def print_models_table(results):
 
 
 def print_table(results):
-  models = [r for r in results if r['model'] != 'report']
+  models = [r for r in results if r['layers'] is None]
+  inner = [r for r in results if r['model'] in INNER_CHECKPOINT]
   results = [r for r in results if r['model'] == 'report']
   if results:
     print_report_table(results)
   print_models_table(models)
+  print_inner_checkpoint_table(inner)
+
+
+def print_inner_checkpoint_table(results):
+  """Per style of checkpointing inside a unit: total MB at each depth, and
+  what a layer adds, fixed T against F."""
+  if not results:
+    return
+  print('\nCheckpointing inside each unit (total MB, F / stock T / fixed T; '
+        'per layer: MB a layer adds, F / fixed T, and their ratio):')
+  for model in dict.fromkeys(r['model'] for r in results):
+    rows = [r for r in results if r['model'] == model]
+    world_size = rows[0]['world_size']
+    depths = sorted({r['layers'] for r in rows})
+    total = {
+        (r['build'], r['flatten'], r['layers']): r['total_allocated_bytes']
+        for r in rows
+    }
+    cells = [
+        f"{d} layers {total[('patched', False, d)] / MB:.1f} / "
+        f"{total[('stock', True, d)] / MB:.1f} / "
+        f"{total[('patched', True, d)] / MB:.1f}" for d in depths
+    ]
+    line = f'  {model} (world size {world_size}): ' + '; '.join(cells)
+    if len(depths) > 1:
+      slope = lambda flatten: (total[('patched', flatten, depths[-1])] - total[
+          ('patched', flatten, depths[0])]) / (depths[-1] - depths[0]) / MB
+      line += (f'; per layer {slope(False):.2f} / {slope(True):.2f} '
+               f'({slope(True) / slope(False):.2f}x)')
+    print(line)
 
 
 def print_report_table(results):

@@ -82,6 +82,7 @@ import torch.nn.functional as F
 import torch_xla.distributed.fsdp.utils as fsdp_utils
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
+import fsdp_simulation
 import fsdp_test_utils
 from fsdp_test_utils import count_collectives
 
@@ -267,7 +268,7 @@ class FaithfulDummyReduceScatter(fsdp_utils.DummyReduceScatter):
 
 @contextlib.contextmanager
 def simulated_world_size(world_size: int, rank: int = 0, faithful: bool = True):
-  """``fsdp_test_utils.simulated_world_size``, for memory figures.
+  """``fsdp_simulation.simulated_world_size``, for memory figures.
 
   Several CPU devices deadlock in collectives with torch_xla 2.9, so world
   sizes > 1 are simulated. With ``faithful``, the dummy collectives are
@@ -281,7 +282,7 @@ def simulated_world_size(world_size: int, rank: int = 0, faithful: bool = True):
     fsdp_module.dummy_all_reduce = faithful_dummy_all_reduce
     fsdp_module.DummyReduceScatter = FaithfulDummyReduceScatter
   try:
-    with fsdp_test_utils.simulated_world_size(world_size, rank) as kwargs:
+    with fsdp_simulation.simulated_world_size(world_size, rank) as kwargs:
       yield kwargs
   finally:
     (fsdp_module.dummy_all_gather, fsdp_module.dummy_all_reduce,

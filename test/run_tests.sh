@@ -15,7 +15,7 @@ cd "$_TEST_DIR"
 export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
 if [[ "$PJRT_DEVICE" == "CPU" ]]; then
   # Several CPU devices deadlock in collectives with torch_xla 2.9; world
-  # sizes > 1 are simulated (fsdp_test_utils.simulated_world_size).
+  # sizes > 1 are simulated (fsdp_simulation.simulated_world_size).
   export CPU_NUM_DEVICES=1
   TEST_JOBS="${TEST_JOBS:-$(nproc)}"
 else
@@ -61,7 +61,8 @@ run_test test_fsdp_flatten_vs_stock.py
 run_test test_fsdp_memory_measurement.py
 
 # The tests that go upstream, with and without functionalization.
-for test in test_fsdp_flatten_parity.py test_fsdp_coalesce_all_gathers.py \
+for test in test_fsdp_flatten_parity.py test_fsdp_flatten_freed_params.py \
+  test_fsdp_flatten_shared_modules.py test_fsdp_coalesce_all_gathers.py \
   test_fsdp_meta_init.py test_fsdp_input_checks.py \
   test_fsdp_backward_regather.py test_fsdp_bucketed_reduce_scatter.py; do
   run_test "$test"

@@ -7,8 +7,9 @@ hooks of some of its parameters have freed them, and its pre-backward hook
 gathers them again. They must not stay gathered, with their values from
 before the optimizer step, into the next forward (which does not all-gather
 a parameter it holds). Compared with the same model without FSDP over
-several SGD steps, for both ``flatten_parameters`` settings, with and
-without functionalization (``XLA_DISABLE_FUNCTIONALIZATION=1``).
+several SGD steps with ``flatten_parameters=False``, the setting that
+trained on stale weights, with and without functionalization
+(``XLA_DISABLE_FUNCTIONALIZATION=1``).
 """
 
 import functools
@@ -89,10 +90,7 @@ class TestOutputUsedInside(test_utils.XlaTestCase):
     ref_losses = train()
     # each step's update reaches the next forward
     self.assertLess(ref_losses[1], ref_losses[0])
-    for flatten_parameters in (False, True):
-      with self.subTest(flatten_parameters=flatten_parameters):
-        torch.testing.assert_close(
-            train(flatten_parameters), ref_losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(train(False), ref_losses, rtol=1e-5, atol=0)
 
 
 if __name__ == '__main__':

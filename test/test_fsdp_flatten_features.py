@@ -1,5 +1,10 @@
 """flatten_parameters=True with the other FSDP features.
 
+This repository's suite, not part of the upstream change (whose tests are
+test_fsdp_flatten_parity.py, test_fsdp_flatten_freed_params.py and
+test_fsdp_flatten_shared_modules.py): features whose behaviour the change
+leaves as it was.
+
 Each feature trains the same nested model (test_fsdp_flatten_parity.Net) for
 a few steps with flatten_parameters=True and is compared with
 flatten_parameters=False: losses and the consolidated checkpoint, to
@@ -7,10 +12,8 @@ float32 rounding (more on backends other than the CPU, and with
 low-precision compute).
 """
 
-import copy
 import functools
 import os
-import pickle
 import sys
 import tempfile
 import unittest
@@ -30,8 +33,7 @@ from torch_xla.distributed.fsdp.state_dict_utils import (
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import test_utils
-from fsdp_test_utils import (count_collectives, simulated_world_size,
-                             torch_checkpoint)
+from fsdp_simulation import simulated_world_size
 from test_fsdp_flatten_parity import Block, Net
 
 STEPS = 3
@@ -71,79 +73,10 @@ class SometimesBlock(Block):
     return x + self.extra(x) if self.use_extra else x
 
 
-class TorchCheckpointBlock(Block):
-  """Checkpoints its two layers with ``torch.utils.checkpoint``: two
-  recomputes in its unit's backward (with ``use_reentrant``)."""
-
-  use_reentrant = True
-
-  def forward(self, x):
-    if not x.requires_grad:  # (as checkpoint_module)
-      return super().forward(x)
-    h = torch_checkpoint(
-        lambda x: F.relu(self.fc1(x)), x, use_reentrant=self.use_reentrant)
-    return x + torch_checkpoint(self.fc2, h, use_reentrant=self.use_reentrant)
-
-
-class CallsBeforeOwner(Net):
-  """The root calls a submodule of the last block before that block's unit
-  has run."""
-
-  def __init__(self):
-    super().__init__()
-    self.pre = self.blocks[-1].fc1
-
-  def forward(self, x):
-    return super().forward(x + self.pre(x)[:, :x.shape[1]])
-
-
-class CallsThroughUnit(Net):
-  """The root also calls a submodule of the first block through that
-  block's attributes (its unit's, once wrapped)."""
-
-  def forward(self, x):
-    return super().forward(x) + self.blocks[0].fc2(
-        self.blocks[0].fc1(x))[:, :10]
-
-
-class ReadsWeight(Net):
-  """The root reads a parameter of the first block by attribute."""
-
-  def forward(self, x):
-    return super().forward(x) + F.linear(x, self.blocks[0].fc1.weight)[:, :10]
-
-
-class Regularized(Net):
-  """The root adds a function of a parameter of the first block."""
-
-  def forward(self, x):
-    return super().forward(x) + self.blocks[0].fc2.weight.pow(2).sum()
-
-
-class CallsLater(Net):
-  """The root calls a submodule of the first block once ``call`` is set."""
-
-  call = False
-
-  def forward(self, x):
-    out = super().forward(x)
-    return out + self.blocks[0].fc1(x)[:, :10] if self.call else out
-
-
-NETS = {
-    'called_before_owner': CallsBeforeOwner,
-    'called_through_unit': CallsThroughUnit,
-    'reads_weight': ReadsWeight,
-    'regularizer': Regularized,
-    'calls_later': CallsLater,
-}
-
-
 def make_net(features):
   """The unwrapped model with ``features`` (a set of names)."""
   torch.manual_seed(0)
-  nets = [cls for feature, cls in NETS.items() if feature in features]
-  net = (nets[0] if nets else Net)()
+  net = Net()
   if 'frozen' in features:
     net.blocks[1].fc1.requires_grad_(False)
   if 'batchnorm' in features:
@@ -160,18 +93,6 @@ def make_net(features):
     net.blocks.append(net.blocks[0])
   if 'reachable_from_root' in features:
     net.first_fc1 = net.blocks[0].fc1  # a handle, never called by the root
-  for feature, use_reentrant in (('torch_checkpoint_inside', True),
-                                 ('torch_checkpoint_inside_non_reentrant',
-                                  False)):
-    if feature in features:
-      for i in range(len(net.blocks)):
-        net.blocks[i] = TorchCheckpointBlock()
-        net.blocks[i].use_reentrant = use_reentrant
-  if 'checkpoint_modules_inside' in features:
-    # recomputes that call modules (of the unit) in turn
-    for block in net.blocks:
-      block.fc1 = checkpoint_module(nn.Sequential(block.fc1))
-      block.fc2 = checkpoint_module(nn.Sequential(block.fc2))
   if 'checkpoint_inside' in features:
     # two recomputes in one unit's backward
     for block in net.blocks:
@@ -357,7 +278,7 @@ class SameBatchRanks:
   the same full gradients, so a real run's collectives are known: an
   all-gather concatenates the ranks' current shards of the parameter, and a
   reduce-scatter sums ``world_size`` equal gradients. Unlike
-  ``fsdp_test_utils.simulated_world_size`` (one rank, its own shard
+  ``fsdp_simulation.simulated_world_size`` (one rank, its own shard
   repeated: right for memory, not for values), this trains like a real run,
   so it must match world size 1 and flatten_parameters=False, with padding
   on the last rank and the consolidation of all ranks' shards.
@@ -475,16 +396,6 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
       with self.subTest(feature=feature):
         self.assert_same(train(feature, True), train(feature, False))
 
-  def test_checkpoint_inside_unit_same_as_unflattened(self):
-    # (a recompute that calls a module of the unit used to fail once a part
-    # of the unit's gradient was in: with torch.utils.checkpoint, reentrant,
-    # the unit freed its parameters with it; with checkpoint_module, the
-    # unit no longer counted them as gathered)
-    for feature in ('checkpoint_modules_inside', 'torch_checkpoint_inside',
-                    'torch_checkpoint_inside_non_reentrant'):
-      with self.subTest(feature=feature):
-        self.assert_same(train(feature, True), train(feature, False))
-
   def test_batchnorm_same_as_unflattened(self):
     # (XLA may order BatchNorm's reductions differently in the two graphs:
     # 2 float32 ulps on a loss)
@@ -517,19 +428,6 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
                 for m in model.modules()
                 if isinstance(m, FSDP) and m is not model))
 
-  def test_module_of_two_units(self):
-    # A module that one unit flattens and another unit (also) calls in the
-    # model's first forward: the first keeps its parameters gathered after
-    # forward from that call on, as with reshard_after_forward=False.
-    for feature in ('shared_with_root', 'wrapped_twice', 'called_before_owner',
-                    'called_through_unit'):
-      with self.subTest(feature=feature):
-        with self.assertWarnsRegex(UserWarning,
-                                   'keeps them gathered after forward'):
-          losses = train(feature, True)['losses']
-        torch.testing.assert_close(
-            losses, train_without_fsdp(feature), rtol=1e-5, atol=0)
-
   def test_tied_parameter_trains_as_without_fsdp(self):
     # (an untied copy would get the gradient of only one of its uses)
     for flatten in (True, False):
@@ -559,145 +457,12 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
     self.assert_same(flat, train_same_batch_ranks(4, False))
     self.assert_same(flat, train('plain', False))  # world size 1
 
-  def test_gathered_params_freed_after_forward_and_backward(self):
-    model = build('plain', True)
-    # (the root unit keeps its parameters gathered from forward to backward)
-    linears = [
-        m for m in model.modules()
-        if isinstance(m, nn.Linear) and m is not model.head
-    ]
-    x, y = make_batch()
-
-    def assert_freed():
-      for linear in linears:
-        # no tensor of any gathered data stays on the modules (what they
-        # hold instead raises an error on use)
-        self.assertNotIsInstance(linear.weight, torch.Tensor)
-
-    seen_in_forward = []
-    hooks = [
-        m.register_forward_hook(lambda m, i, o: seen_in_forward.append(
-            (tuple(m.weight.shape), m.weight._is_view()))) for m in linears
-    ]
-    loss = F.cross_entropy(model(x), y)
-    for hook in hooks:
-      hook.remove()
-    self.assertEqual(seen_in_forward, [((300, 100), False),
-                                       ((100, 300), False)] * 3)
-    assert_freed()
-    loss.backward()
-    assert_freed()
-    torch_xla.sync()
-    assert_freed()
-    for mode in ('eval', 'no_grad'):
-      with self.subTest(mode=mode):
-        model.train(mode != 'eval')
-        with torch.no_grad() if mode == 'no_grad' else torch.enable_grad():
-          model(x)
-        assert_freed()
-
-  def test_checkpointed_inside_freed_with_last_gradient_part(self):
-    # Each recompute of a checkpointed submodule gives a part of its unit's
-    # gradient. The unit frees its gathered parameters with the last part,
-    # not at the end of backward, which kept every unit's until then.
-    for feature in ('checkpoint_inside', 'torch_checkpoint_inside',
-                    'torch_checkpoint_inside_non_reentrant'):
-      with self.subTest(feature=feature):
-        model = build(feature, True)
-        gathered = []
-        finalize = model._wait_for_post_backward
-
-        def end_of_backward():
-          gathered.extend(name for name, m in model.named_modules()
-                          if isinstance(m, FSDP) and m is not model and any(
-                              p._has_full_param for p in m.full_params))
-          finalize()
-
-        model._wait_for_post_backward = end_of_backward
-        x, y = make_batch()
-        F.cross_entropy(model(x), y).backward()
-        self.assertEqual(gathered, [])
-
   def test_live_tensors_do_not_grow(self):
     # Units that keep their gathered data between forwards (the root always,
     # here all units) and evaluation forwards between training steps: the
     # original parameters each forward makes must not pile up.
     _, live = train_with_eval_forwards()
     self.assertEqual(len(set(live[1:])), 1, live)
-
-
-class TestUsedOutsideItsUnit(test_utils.XlaTestCase):
-  """A flattened unit's original parameters hold data only in its forward
-  and backward (views into the flat parameter used to keep the forward's
-  gathered data alive)."""
-
-  def test_parameter_read_by_attribute_raises_naming_it(self):
-    # (a matmul with the freed parameter failed on its shape, naming nothing)
-    with self.assertRaisesRegex(
-        RuntimeError, r"Parameter 'blocks\.0\.fc1\.weight' is used while "
-        r"the FSDP unit 'blocks\.0' \(Block\).*reshard_after_forward=False"):
-      train('reads_weight', True, steps=1)
-
-  def test_elementwise_use_of_freed_parameter_raises(self):
-    # (it broadcast over the freed placeholder: a wrong value, no error)
-    model = build('regularizer', True)
-    x, _ = make_batch()
-    with torch.no_grad(), self.assertRaisesRegex(
-        RuntimeError, r"Parameter 'blocks\.0\.fc2\.weight' is used while"):
-      model(x)
-
-  def test_submodule_called_outside_every_forward_raises(self):
-    # A probe between steps, maybe on some ranks only: gathering there would
-    # be an all-gather from that call site.
-    model = build('plain', True)
-    x, _ = make_batch()
-    with torch.no_grad():
-      model(x)
-      with count_collectives(model) as collectives, self.assertRaisesRegex(
-          RuntimeError,
-          r"Module 'blocks\.0\.fc1' is called outside every FSDP forward"):
-        model.blocks[0].fc1(x)
-    self.assertEqual(collectives['all_gather'], 0)
-    self.assertTrue(model.blocks[0].reshard_after_forward)
-
-  def test_called_by_another_unit_after_the_first_forward_raises(self):
-    # Whether a unit keeps its parameters gathered after forward is decided
-    # by the model's first forward, not switched for good by a later call.
-    model = build('calls_later', True)
-    x, _ = make_batch()
-    with torch.no_grad():
-      model(x)
-      CallsLater.call = True
-      try:
-        with self.assertRaisesRegex(
-            RuntimeError, r"Module 'blocks\.0\.fc1' .* not in the model's "
-            "first forward"):
-          model(x)
-      finally:
-        CallsLater.call = False
-
-  def test_parameter_captured_in_forward_is_nan_after_it(self):
-    # A tensor taken from a submodule inside its unit's forward (here by a
-    # forward hook) has no data after that forward: its use must not give a
-    # plausible number (with the unit's zero placeholder, 0 for a norm).
-    model = build('plain', True)
-    captured = []
-    model.blocks[0].fc2.register_forward_hook(
-        lambda module, args, out: captured.append(module.weight))
-    x, _ = make_batch()
-    with torch.no_grad():
-      model(x)
-      norm = captured[0].pow(2).sum()
-    self.assertTrue(torch.isnan(norm).item())
-
-  def test_deepcopy_raises(self):
-    # (a copy would lose the unit's state of the original parameters)
-    with self.assertRaisesRegex(RuntimeError, 'cannot be copied'):
-      copy.deepcopy(build('plain', True))
-
-  def test_pickle_raises(self):
-    with self.assertRaisesRegex(RuntimeError, 'cannot be copied'):
-      pickle.dumps(build('plain', True))
 
 
 class TestCheckpointRoundTrip(SameTrainingMixin, test_utils.XlaTestCase):

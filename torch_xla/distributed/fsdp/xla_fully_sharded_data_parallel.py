@@ -2,7 +2,7 @@
 # ``fairscale.nn.FullyShardedDataParallel`` in
 # https://github.com/facebookresearch/fairscale/blob/main/fairscale/nn/data_parallel/fully_sharded_data_parallel.py
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 import contextlib
 from enum import Enum, auto
 import functools
@@ -610,7 +610,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.module.module, "_xla_checkpointed_forward_original")
     # Parts of the flat parameter's gradient expected in this backward (as
     # counted in forward) and received (see `_count_grad_parts`).
-    self._grad_parts = {"expected": 0, "received": 0, "main": False}
+    self._grad_parts = Counter()
     # (set by the root, see `_set_is_root`)
     self._model, self._name_in_model = None, ""
 
@@ -1139,7 +1139,12 @@ class XlaFullyShardedDataParallel(nn.Module):
     self._register_post_backward_hooks()
 
     if not self._debug_dummy_forward_pass:
-      outputs = self.module(*args, **kwargs)
+      try:
+        outputs = self.module(*args, **kwargs)
+      except BaseException:
+        # (a call after it is not in this forward: `_called_outside_forward`)
+        self.training_state = TrainingState.IDLE
+        raise
     else:
       # Run a dummy forward pass by summing the inputs and full parameter.
       # This can be used to debug FSDP parameter memory consumption.
@@ -1199,8 +1204,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     flat = [p for p in self.full_params if isinstance(p, FlatParameter)]
     if not (flat and flat[0].requires_grad and torch.is_grad_enabled()):
       return
-    params = flat[0]._unflattened_params.made_with_grad()
-    node = params[0].grad_fn if params else None
+    node = flat[0]._unflattened_params.grad_fn()
     if node is None:
       return
     regions, reached = 0, False
@@ -1586,11 +1590,11 @@ class XlaFullyShardedDataParallel(nn.Module):
     # A backward pass is done, clean up below.
     def _finalize_parameters(fsdp_module: XlaFullyShardedDataParallel) -> None:
       """Helper used below on all fsdp modules."""
-      fsdp_module._grad_parts = {"expected": 0, "received": 0, "main": False}
-      frozen_params = []
+      fsdp_module._grad_parts = Counter()
+      params_to_free = []
       for p in fsdp_module.full_params:
         if not p.requires_grad:
-          frozen_params.append(p)
+          params_to_free.append(p)
         elif p._has_full_param and (fsdp_module._require_backward_grad_sync or
                                     fsdp_module.reshard_after_forward):
           # A pre-backward hook gathers all of a module's parameters, also those
@@ -1599,15 +1603,16 @@ class XlaFullyShardedDataParallel(nn.Module):
           # gradient comes midway through the module's backward. Left gathered,
           # they would be stale in the next forward, which does not all-gather
           # a gathered parameter. (Also freed: those that got no gradient.)
-          frozen_params.append(p)
+          params_to_free.append(p)
         if hasattr(p, "_shard_bwd_hook"):
           assert len(p._shard_bwd_hook) == 2, len(p._shard_bwd_hook)
           p._shard_bwd_hook[1].remove()
           delattr(p, "_shard_bwd_hook")
-      # Free the full params with `requires_grad==False`
-      if frozen_params:
+      # Free the full params with `requires_grad==False`, and those gathered
+      # again (above)
+      if params_to_free:
         fsdp_module._free_full_params(
-            frozen_params,
+            params_to_free,
             apply_opt_barrier=self.optimization_barrier_in_backward)
 
     # A module's bucketed reduce-scatters (reduce_scatter_bucket_size_mb > 0)
@@ -2062,10 +2067,10 @@ class _UnflattenedParams:
     self._holding.append([weakref.ref(t) for t in params])
     return params
 
-  def made_with_grad(self) -> List[torch.Tensor]:
-    """The latest tensors made, if made for autograd (else empty)."""
-    made = self._latest
-    return list(made) if made and isinstance(made[0], torch.Tensor) else []
+  def grad_fn(self) -> Optional[torch.autograd.graph.Node]:
+    """The autograd node that made the latest tensors, if any."""
+    made = self._latest[0] if self._latest else None
+    return made.grad_fn if isinstance(made, torch.Tensor) else None
 
   def free(self) -> None:
     """Free the tensors that hold data, as the flat parameter is freed."""
@@ -2163,8 +2168,8 @@ class _FreedParameter:
     return _FreedParameterError(
         f"Parameter '{name}' is used while the FSDP unit {unit_name}, which "
         "flattens it, has freed it: its data is gathered only for that "
-        "unit's forward and backward, and it was read by attribute outside "
-        "them. Call the module that holds it, or tie the weights inside one "
+        "unit's forward and backward, and it was used outside them. Call "
+        "the module that holds it, or tie the weights inside one "
         "FSDP unit, or pass reshard_after_forward=False to that unit (it "
         "then keeps its parameters gathered from its forward to its "
         "backward; between training steps they are freed).")

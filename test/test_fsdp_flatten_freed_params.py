@@ -1,0 +1,231 @@
+"""flatten_parameters=True frees a unit's original parameters with it.
+
+Issue #5464: the original parameters were views into the gathered flat
+parameter, which the submodules and autograd kept, with the data gathered
+for forward, until backward. Now they hold data only while their unit has
+its flat parameter gathered, and a use of one outside that time raises an
+error that names it, or (a tensor kept from forward) gives NaN. Each test
+names what stock did. Run with and without functionalization
+(``XLA_DISABLE_FUNCTIONALIZATION=1``).
+"""
+
+import copy
+import functools
+import pickle
+import sys
+import unittest
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch_xla
+from torch_xla.distributed.fsdp import (XlaFullyShardedDataParallel as FSDP,
+                                        checkpoint_module)
+from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+import test_utils
+from fsdp_test_utils import torch_checkpoint
+from test_fsdp_flatten_parity import Block, Net, RTOL
+
+
+class TorchCheckpointBlock(Block):
+  """Checkpoints its two layers with ``torch.utils.checkpoint``: two
+  recomputes in its unit's backward."""
+
+  def __init__(self, use_reentrant):
+    super().__init__()
+    self.use_reentrant = use_reentrant
+
+  def forward(self, x):
+    if not x.requires_grad:  # (as checkpoint_module)
+      return super().forward(x)
+    h = torch_checkpoint(
+        lambda x: F.relu(self.fc1(x)), x, use_reentrant=self.use_reentrant)
+    return x + torch_checkpoint(self.fc2, h, use_reentrant=self.use_reentrant)
+
+
+class ReadsWeight(Net):
+  """The root reads a parameter of the first block by attribute."""
+
+  def forward(self, x):
+    return super().forward(x) + F.linear(x, self.blocks[0].fc1.weight)[:, :10]
+
+
+class Regularized(Net):
+  """The root adds a function of a parameter of the first block."""
+
+  def forward(self, x):
+    return super().forward(x) + self.blocks[0].fc2.weight.pow(2).sum()
+
+
+def make_net(cls=Net, inner_checkpoint=None):
+  """``cls()``; each block's two layers checkpointed with
+  ``inner_checkpoint``: 'checkpoint_module', or 'reentrant' or
+  'non_reentrant' ``torch.utils.checkpoint``."""
+  torch.manual_seed(0)
+  net = cls()
+  for i, block in enumerate(net.blocks):
+    if inner_checkpoint == 'checkpoint_module':
+      block.fc1 = checkpoint_module(block.fc1)
+      block.fc2 = checkpoint_module(block.fc2)
+    elif inner_checkpoint is not None:
+      net.blocks[i] = TorchCheckpointBlock(inner_checkpoint == 'reentrant')
+      net.blocks[i].load_state_dict(block.state_dict())
+  return net
+
+
+def wrap(net, flatten_parameters=True):
+  """``net`` with each block an FSDP unit under the root."""
+  policy = functools.partial(
+      transformer_auto_wrap_policy, transformer_layer_cls={Block})
+  return FSDP(
+      net, auto_wrap_policy=policy, flatten_parameters=flatten_parameters)
+
+
+def make_batch():
+  device = torch_xla.device()
+  generator = torch.Generator().manual_seed(1)
+  return (torch.randn(32, 100, generator=generator).to(device),
+          torch.randint(0, 10, (32,), generator=generator).to(device))
+
+
+def train_losses(model, steps=3):
+  optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+  x, y = make_batch()
+  losses = []
+  for _ in range(steps):
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    torch_xla.sync()
+    losses.append(loss.item())
+  return losses
+
+
+def block_linears(model):
+  """The blocks' layers (the root keeps its own parameters gathered from
+  forward to backward)."""
+  return [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
+
+
+class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
+
+  def assert_freed(self, model):
+    for linear in block_linears(model):
+      # (stock: a view of the flat parameter, which pins the data gathered
+      # for forward)
+      self.assertNotIsInstance(linear.weight, torch.Tensor)
+
+  def test_freed_after_forward(self):
+    model = wrap(make_net())
+    x, _ = make_batch()
+    model(x)
+    self.assert_freed(model)
+
+  def test_freed_after_backward(self):
+    model = wrap(make_net())
+    x, y = make_batch()
+    F.cross_entropy(model(x), y).backward()
+    self.assert_freed(model)
+
+  def test_freed_after_forward_without_grad(self):
+    model = wrap(make_net())
+    x, _ = make_batch()
+    for mode in ('eval', 'no_grad'):
+      with self.subTest(mode=mode):
+        model.train(mode != 'eval')
+        with torch.no_grad() if mode == 'no_grad' else torch.enable_grad():
+          model(x)
+        self.assert_freed(model)
+
+  def test_checkpointed_inside_freed_with_last_gradient_part(self):
+    # Each recompute of a checkpointed submodule gives a part of its unit's
+    # gradient: the unit frees its gathered parameters with the last part,
+    # not at the end of backward, which would keep every unit's until then.
+    # (stock: views of the flat parameter kept its data to the end)
+    for style in ('checkpoint_module', 'reentrant', 'non_reentrant'):
+      with self.subTest(style=style):
+        model = wrap(make_net(inner_checkpoint=style))
+        gathered = []
+        finalize = model._wait_for_post_backward
+
+        def end_of_backward():
+          gathered.extend(name for name, m in model.blocks.named_modules()
+                          if isinstance(m, nn.Linear) and
+                          isinstance(m.weight, torch.Tensor))
+          gathered.extend(name for name, m in model.blocks.named_modules()
+                          if isinstance(m, FSDP) and any(
+                              p._has_full_param for p in m.full_params))
+          finalize()
+
+        model._wait_for_post_backward = end_of_backward
+        x, y = make_batch()
+        F.cross_entropy(model(x), y).backward()
+        self.assertEqual(gathered, [])
+
+  def test_checkpointed_inside_trains_as_unflattened(self):
+    for style in ('checkpoint_module', 'reentrant', 'non_reentrant'):
+      with self.subTest(style=style):
+        torch.testing.assert_close(
+            train_losses(wrap(make_net(inner_checkpoint=style))),
+            train_losses(wrap(make_net(inner_checkpoint=style), False)),
+            rtol=RTOL,
+            atol=0)
+
+
+class TestUseOfAFreedParameter(test_utils.XlaTestCase):
+
+  def test_read_by_attribute_raises_naming_it(self):
+    # (stock: the view kept the forward's data alive and this trained)
+    model = wrap(make_net(ReadsWeight))
+    x, _ = make_batch()
+    with self.assertRaisesRegex(
+        RuntimeError, r"Parameter 'blocks\.0\.fc1\.weight' is used while "
+        r"the FSDP unit 'blocks\.0' \(Block\).*reshard_after_forward=False"):
+      model(x)
+
+  def test_elementwise_use_raises(self):
+    # (a one-element placeholder would broadcast: a wrong value, no error)
+    model = wrap(make_net(Regularized))
+    x, _ = make_batch()
+    with torch.no_grad(), self.assertRaisesRegex(
+        RuntimeError, r"Parameter 'blocks\.0\.fc2\.weight' is used while"):
+      model(x)
+
+  def test_use_before_the_first_forward_raises(self):
+    # (stock: a view of the flat parameter, whose data is then the shard)
+    model = wrap(make_net())
+    with self.assertRaisesRegex(
+        RuntimeError, r"Parameter 'fc2\.weight' of the FSDP unit wrapping "
+        "Block is used before the model's first forward"):
+      model.blocks[1].fc2.weight.sum()
+
+  def test_tensor_kept_from_forward_is_nan_after_it(self):
+    # A tensor taken from a submodule inside its unit's forward (here by a
+    # forward hook) has no data after that forward: its use must not give a
+    # plausible number (with the unit's zero placeholder, 0 for a norm).
+    model = wrap(make_net())
+    kept = []
+    model.blocks[0].fc2.register_forward_hook(
+        lambda module, args, out: kept.append(module.weight))
+    x, _ = make_batch()
+    with torch.no_grad():
+      model(x)
+      norm = kept[0].pow(2).sum()
+    self.assertTrue(torch.isnan(norm).item())
+
+  def test_deepcopy_raises(self):
+    # (stock: an error about tensors that are not graph leaves, the views;
+    # a copy would lose the unit's record of the tensors it frees)
+    with self.assertRaisesRegex(RuntimeError, 'cannot be copied'):
+      copy.deepcopy(wrap(make_net()))
+
+  def test_pickle_raises(self):
+    with self.assertRaisesRegex(RuntimeError, 'cannot be copied'):
+      pickle.dumps(wrap(make_net()))
+
+
+if __name__ == '__main__':
+  test = unittest.main(exit=False)
+  sys.exit(0 if test.result.wasSuccessful() else 1)
