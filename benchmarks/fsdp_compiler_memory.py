@@ -40,10 +40,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
+sys.path.insert(0, _HERE)
+import fsdp_real_models  # noqa: E402
+from fsdp_real_models import LARGE  # noqa: E402
+
 # XLA's descriptions of the GPUs (copies that jaxlib 0.10.2 parses)
 GPU_SPECS_DIR = os.environ.get('FSDP_GPU_TARGET_SPECS',
                                os.path.join(_HERE, 'gpu_target_specs'))
@@ -61,7 +65,7 @@ DEFAULT_TARGETS = ('tpu-v5e', 'gpu-a100', 'gpu-h100')
 WORLD_SIZE = 8
 MB = 1e6
 # Changes with what _trace_worker traces (a key of the trace cache).
-TRACE_VERSION = 5
+TRACE_VERSION = 6
 # The report's batch (per device) and the model's width.
 _BATCH, _HIDDEN = 64, 1280
 
@@ -97,98 +101,18 @@ def missing(target: str) -> Optional[str]:
 # Tracing: the step module at world size 8 with real collectives.
 # ---------------------------------------------------------------------------
 
-# Transformers models at a realistic width: at hidden 256 the TPU compiler
-# keeps small buffers in on-chip memory and the HBM figure says little.
-# (hidden, layers, heads, vocabulary, batch, tokens); the feed-forward
-# width of Llama, Qwen2 and T5 is Llama's 8/3 of the hidden width, rounded
-# up to a multiple of 256 (GPT-2 and BERT: 4 times the width).
+# Transformers models at a realistic width (``fsdp_real_models.LARGE``): at
+# hidden 256 the TPU compiler keeps small buffers in on-chip memory and the
+# HBM figure says little.
 TRANSFORMERS = ('llama', 'gpt2', 't5', 'bert', 'qwen2')
-T_HIDDEN, T_LAYERS, T_HEADS, T_VOCAB, T_BATCH, T_TOKENS = (1024, 4, 16, 8000, 4,
-                                                           128)
-T_FFN = -(-8 * T_HIDDEN // 3 // 256) * 256
 
 
 def build_transformer(name: str):
   """(module returning the language-modelling loss, input ids, layer
   classes to wrap as FSDP units) of a transformers model, random weights."""
-  import torch
-  import transformers as tf
-  sys.path.insert(0, _HERE)
-  from fsdp_real_models import LanguageModelLoss
-  # Untied input and output embeddings (as Llama's and Qwen2's defaults)
-  # make the root unit (embeddings and head) the largest.
-  common = dict(
-      vocab_size=T_VOCAB,
-      tie_word_embeddings=False,
-      attn_implementation='eager')
-  if name == 'llama':
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    model, layer = tf.LlamaForCausalLM(
-        tf.LlamaConfig(
-            hidden_size=T_HIDDEN,
-            intermediate_size=T_FFN,
-            num_hidden_layers=T_LAYERS,
-            num_attention_heads=T_HEADS,
-            num_key_value_heads=T_HEADS,
-            max_position_embeddings=T_TOKENS,
-            **common)), LlamaDecoderLayer
-  elif name == 'qwen2':
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
-    model, layer = tf.Qwen2ForCausalLM(
-        tf.Qwen2Config(
-            hidden_size=T_HIDDEN,
-            intermediate_size=T_FFN,
-            num_hidden_layers=T_LAYERS,
-            num_attention_heads=T_HEADS,
-            num_key_value_heads=T_HEADS // 4,
-            max_position_embeddings=T_TOKENS,
-            **common)), Qwen2DecoderLayer
-  elif name == 'gpt2':
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-    model, layer = tf.GPT2LMHeadModel(
-        tf.GPT2Config(
-            n_embd=T_HIDDEN,
-            n_layer=T_LAYERS,
-            n_head=T_HEADS,
-            n_positions=T_TOKENS,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            **common)), GPT2Block
-  elif name == 'bert':
-    from transformers.models.bert.modeling_bert import BertLayer
-    model, layer = tf.BertForMaskedLM(
-        tf.BertConfig(
-            hidden_size=T_HIDDEN,
-            num_hidden_layers=T_LAYERS,
-            num_attention_heads=T_HEADS,
-            intermediate_size=4 * T_HIDDEN,
-            max_position_embeddings=T_TOKENS,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            **common)), BertLayer
-  elif name == 't5':
-    from transformers.models.t5.modeling_t5 import T5Block
-    model, layer = tf.T5ForConditionalGeneration(
-        tf.T5Config(
-            d_model=T_HIDDEN,
-            d_kv=T_HIDDEN // T_HEADS,
-            d_ff=T_FFN,
-            num_layers=T_LAYERS // 2,
-            num_decoder_layers=T_LAYERS // 2,
-            num_heads=T_HEADS,
-            dropout_rate=0.0,
-            feed_forward_proj='gated-gelu',
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            **common)), T5Block
-  else:
+  if name not in TRANSFORMERS:
     raise ValueError(f'unknown model {name!r}: {", ".join(TRANSFORMERS)}')
-  ids = torch.randint(
-      0,
-      T_VOCAB, (T_BATCH, T_TOKENS),
-      generator=torch.Generator().manual_seed(1))
-  return LanguageModelLoss(model.float()), ids, {layer}
+  return getattr(fsdp_real_models, name)(size=LARGE)
 
 
 def _trace_worker(index: int, model_name: str, layers: int,
@@ -225,6 +149,14 @@ def _trace_worker(index: int, model_name: str, layers: int,
 
     def loss():
       return model(ids)
+
+  names = os.environ.get('FSDP_TRACE_NAMES')
+  if names and index == 0:
+    # what a buffer of each shape may be, for --explain (before the step:
+    # the tracing processes are ended once its module is dumped)
+    with open(names + '.tmp', 'w') as f:
+      json.dump(mu.buffer_names(model), f)
+    os.replace(names + '.tmp', names)
 
   # (a function, so that the batch and the activations are no longer
   # referenced at the sync and do not become graph outputs)
@@ -289,7 +221,8 @@ def trace(stock: Optional[bool],
   """Path of the step module's HLO text (``before_optimizations``) for one
   variant, traced at ``world_size`` (8: with real collectives; 1: the
   configuration of pytorch/xla#5464). ``model``: 'report' (``layers``
-  deep) or one of ``TRANSFORMERS`` (``T_LAYERS`` deep; ``layers`` unused).
+  deep) or one of ``TRANSFORMERS`` (``LARGE.layers`` deep; ``layers``
+  unused).
 
   ``stock``: stock torch_xla's FSDP, or this checkout's fixed one; None
   follows ``TORCH_XLA_FSDP_OVERLAY`` (``stock_by_default``). Traces are kept
@@ -314,12 +247,13 @@ def trace(stock: Optional[bool],
     with open(path, 'rb') as f:
       digest.update(f.read())
   if model != 'report':
-    layers = T_LAYERS
+    layers = LARGE.layers
   name = (f"{model}-w{world_size}-l{layers}-{'stock' if stock else 'fixed'}-"
           f"{'T' if flatten else 'F'}-{digest.hexdigest()[:12]}.hlo.txt")
   out_dir = out_dir or cache_dir()
   out = os.path.join(out_dir, name)
-  if os.path.exists(out):
+  # (a trace kept from before the buffer names were written is made again)
+  if os.path.exists(out) and os.path.exists(out + '.names.json'):
     return out
   os.makedirs(out_dir, exist_ok=True)
   what = (f"{model} model, {layers} layers, {'stock' if stock else 'fixed'} "
@@ -338,7 +272,8 @@ def trace(stock: Optional[bool],
       # the trace is all that is wanted: no barrier pass flags of the
       # CPU helper, only the dump
       XLA_FLAGS=f'--xla_dump_to={dump_dir} '
-      '--xla_disable_hlo_passes=cse_barrier_expander')
+      '--xla_disable_hlo_passes=cse_barrier_expander',
+      FSDP_TRACE_NAMES=out + '.names.json')
   env.pop('XLA_HLO_DEBUG', None)
   proc = subprocess.Popen([
       sys.executable,
@@ -512,6 +447,73 @@ def _compile_main(target: str, hlo_path: str, dump_to: str = '') -> None:
   print(json.dumps(out))
 
 
+def explain(dump_dir: str, names_path: Optional[str] = None) -> dict:
+  """What a compiler keeps in device memory (HBM; not on-chip memories) at
+  the peak of a step it compiled with ``dump_to=dump_dir``: its buffer
+  assignment and live ranges, read as ``fsdp_memory_utils`` reads XLA:CPU's
+  (each region counted once), and each buffer described by shape (what it
+  may be in the traced model, from ``names_path``: ``trace`` writes it
+  beside the HLO), op and instruction. A buffer of another element type or
+  shape with as many elements as a known one (a bfloat16 copy, a reshape)
+  says so."""
+  sys.path.insert(0, os.path.join(_REPO, 'test'))
+  import fsdp_memory_utils as mu
+
+  def one(pattern):
+    paths = glob.glob(os.path.join(dump_dir, '*' + pattern))
+    if len(paths) != 1:
+      raise RuntimeError(f'expected one *{pattern} in {dump_dir}, found '
+                         f'{len(paths)}')
+    with open(paths[0]) as f:
+      return f.read()
+
+  assignment = one('after_optimizations-buffer-assignment.txt')
+  # (allocations of other memory spaces, e.g. a TPU's VMEM, are marked
+  # "color N")
+  blocks = re.split(r'(?m)^(?=allocation \d+: )', assignment)
+  hbm = ''.join(
+      b for b in blocks
+      if not re.match(r'allocation \d+: [^\n]*'
+                      r', color [1-9]', b))
+  live_ranges = one('after_optimizations-live-range.txt')
+  peak, live = mu.parse_resident_peak(hbm + live_ranges)
+  names = {}
+  if names_path and os.path.exists(names_path):
+    with open(names_path) as f:
+      names = json.load(f)
+  names = {shape: list(dict.fromkeys(what)) for shape, what in names.items()}
+  by_numel = {}
+  for shape, what in names.items():
+    by_numel.setdefault(_numel(shape),
+                        []).extend(f'{w} (as {shape})' for w in what)
+  hlo = one('after_optimizations.txt')
+  buffers = mu.explain_buffers(live, hlo, names)
+  for b in buffers:
+    m = re.fullmatch(r'(.+)\{(\d+)\}', b['buffer'])
+    if b['shape'] == '?' and m:
+      # an element of a tuple (e.g. of an asynchronous collective)
+      t = re.search(r'%' + re.escape(m.group(1)) + r' = \((.*?)\) ', hlo)
+      elements = re.findall(r'\w+\[[\d,]*\]', t.group(1)) if t else []
+      if int(m.group(2)) < len(elements):
+        b['shape'] = elements[int(m.group(2))]
+    b['shape'] = re.sub(r'\{[^{}]*\}', '', b['shape'])
+    if not b['may_be']:
+      b['may_be'] = names.get(b['shape']) or by_numel.get(
+          _numel(b['shape']), [])
+  return dict(peak_bytes=peak, buffers=buffers)
+
+
+def _numel(shape: str) -> int:
+  """Elements of an array shape such as ``bf16[12800,128]`` (0 if none)."""
+  m = re.fullmatch(r'\w+\[([\d,]*)\]', shape)
+  if m is None:
+    return 0
+  n = 1
+  for d in filter(None, m.group(1).split(',')):
+    n *= int(d)
+  return n
+
+
 def compile_env(target: str) -> Dict[str, str]:
   """The environment of a compiling process."""
   env = dict(os.environ)
@@ -601,8 +603,9 @@ def parse_args(argv):
       choices=('report',) + TRANSFORMERS,
       metavar='MODEL',
       help=f"report (the default) or of {', '.join(TRANSFORMERS)}: "
-      f'transformers at hidden {T_HIDDEN}, {T_LAYERS} layers, {T_HEADS} '
-      f'heads, vocabulary {T_VOCAB}, batch {T_BATCH} x {T_TOKENS}')
+      f'transformers at hidden {LARGE.hidden}, {LARGE.layers} layers, '
+      f'{LARGE.heads} heads, vocabulary {LARGE.vocab}, batch {LARGE.batch} x '
+      f'{LARGE.tokens}')
   parser.add_argument(
       '--layers',
       type=int,
@@ -673,7 +676,7 @@ def measure(layers: List[int],
   for each target; one dict of memory stats per compile."""
   results = []
   for model in models:
-    for n in (layers if model == 'report' else [T_LAYERS]):
+    for n in (layers if model == 'report' else [LARGE.layers]):
       for variant, (stock, flatten) in VARIANTS.items():
         hlo = trace(
             stock, flatten, n, out_dir, world_size=world_size, model=model)

@@ -1,10 +1,20 @@
 #!/usr/bin/env python3
 """Memory report: stock vs patched FSDP, flatten_parameters False vs True.
 
-For each world size (1, and 8 simulated on one device) and depth of the
-model from pytorch/xla#5464, and for Hugging Face Llama, GPT-2 and T5 built
-from small configs (``fsdp_real_models.py``; ``pip install ".[models]"``),
-or a model of yours (``--models package.module:function``, see
+On the TPU compiler and XLA:GPU (``pip install -e ".[compilers]"``), where
+FSDP runs for users: each step traced at world size 8 with real collectives
+and compiled without a chip for TPU v4, v5e, v5p and v6e and for A100 and
+H100 (``fsdp_compiler_memory.py``; also world size 1 on XLA:GPU, the
+configuration of pytorch/xla#5464): the model from pytorch/xla#5464 at each
+depth and Hugging Face Llama, GPT-2, T5, BERT and Qwen2 at hidden 1024
+(``fsdp_real_models.LARGE``). F, stock T and fixed T, and fixed T's excess
+over F in units (the largest flat parameter the step gathers).
+
+On XLA:CPU, the fast check: for each world size (1, and 8 simulated on one
+device) and depth of the model from pytorch/xla#5464, for the transformers
+built from small configs (``fsdp_real_models.SMALL``; ``pip install
+".[models]"``), for units with activation checkpointing inside, or a model of
+yours (``--models package.module:function``, see
 ``fsdp_memory_utils.model_step_stats``), measures the training step's
 compiled graph:
 peak bytes (XLA's own figure and the resident one, which counts a buffer
@@ -13,7 +23,9 @@ executable: what a device holds for the step), graph outputs, all-gathers, reduc
 instructions, compile and step time. Every configuration runs in a process
 of its own, stock torch_xla with TORCH_XLA_FSDP_OVERLAY=0.
 
-  python benchmarks/fsdp_flatten_memory.py                # CPU, about 15 minutes
+  python benchmarks/fsdp_flatten_memory.py                # about 90 minutes
+  python benchmarks/fsdp_flatten_memory.py --compilers none       # XLA:CPU only
+  python benchmarks/fsdp_flatten_memory.py --compilers tpu-v5e gpu-h100
   python benchmarks/fsdp_flatten_memory.py --models gpt2 my_pkg.models:build
   python benchmarks/fsdp_flatten_memory.py --layers 2 4 --world-sizes 8
   python benchmarks/fsdp_flatten_memory.py --explain --layers 2 --world-sizes 8
@@ -38,10 +50,12 @@ os.environ.setdefault('PJRT_DEVICE', 'CPU')
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'test'))
 import fsdp_memory_utils as mu  # noqa: E402
+import fsdp_compiler_memory as cm  # noqa: E402
 
 VARIANTS = [('stock', False), ('stock', True), ('patched', False),
             ('patched', True)]
-REAL_MODELS = ('llama', 'gpt2', 't5')  # functions of fsdp_real_models
+# functions of fsdp_real_models: SMALL on XLA:CPU, LARGE on the compilers
+REAL_MODELS = cm.TRANSFORMERS
 # Activation checkpointing inside each unit (fsdp_memory_utils), SGD, at each
 # of --layers and the largest of --world-sizes: two blocks checkpointed one
 # by one with checkpoint_module, or torch.utils.checkpoint inside a unit.
@@ -103,11 +117,35 @@ def parse_args(argv):
       'defaults: the many-small- and few-large-parameter models too) into '
       '--out')
   parser.add_argument(
+      '--compilers',
+      nargs='+',
+      metavar='TARGET',
+      help='also compile each step deviceless for these TPU and GPU targets '
+      f"(of {', '.join(cm.TARGETS)}; 'none': XLA:CPU only), traced at world "
+      f'size {cm.WORLD_SIZE} with real collectives: the report model at each '
+      'of --layers (and on XLA:GPU at world size 1 too), the transformers '
+      f'at hidden {cm.LARGE.hidden}. Default: every target that the '
+      "compilers extra installs (pip install -e '.[compilers]')")
+  parser.add_argument(
       '--explain',
       action='store_true',
       help='for the first configuration only: what is resident at the peak '
-      'of each variant, mapped to FSDP units and parameters')
+      'of each variant, mapped to FSDP units and parameters; with compilers, '
+      "also at each compiler's peak, for the report model's smallest depth")
   args = parser.parse_args(argv)
+  if args.compilers == ['none']:
+    args.compilers = []
+  elif args.compilers is None:
+    args.compilers = [t for t in cm.TARGETS if cm.missing(t) is None]
+    if not args.compilers:
+      print('TPU and GPU compilers: not installed (pip install -e '
+            "'.[compilers]'); XLA:CPU only")
+  else:
+    for t in args.compilers:
+      if t not in cm.TARGETS:
+        parser.exit(2, f"error: unknown target {t}: {', '.join(cm.TARGETS)}\n")
+      if cm.missing(t):
+        parser.exit(2, f'error: {t}: {cm.missing(t)}\n')
   for name, values, low in (('--layers', args.layers, 1), ('--world-sizes',
                                                            args.world_sizes, 1),
                             ('--steps', [args.steps], 3)):
@@ -189,6 +227,64 @@ def measure_all(args):
             layers=layers,
             pipeline=args.pipeline))
   return results
+
+
+def measure_compilers(args):
+  """The training step compiled for each of --compilers (dicts of
+  ``fsdp_compiler_memory.measure``, with their world size)."""
+  models = [m for m in args.models if m == 'report' or m in cm.TRANSFORMERS]
+  if (set(models) & set(cm.TRANSFORMERS) and
+      importlib.util.find_spec('transformers') is None):
+    models = [m for m in models if m == 'report']
+  if not (args.compilers and models):
+    return []
+  print(
+      f"\nTPU and GPU compilers ({', '.join(args.compilers)}), deviceless; "
+      'a line per trace and compile:',
+      flush=True)
+  layers = sorted(args.layers)
+  results = []
+  if args.explain and 'report' in models:
+    # (dumps only for the configuration explained: XLA:GPU's are large)
+    dump_to = os.path.join(args.out, 'compiler_dumps')
+    for r in cm.measure(layers[:1], args.compilers, dump_to=dump_to):
+      r['explained'] = cm.explain(
+          os.path.join(dump_to, r['target'],
+                       os.path.basename(r['hlo'])[:-len('.hlo.txt')]),
+          r['hlo'] + '.names.json')
+      results.append(r)
+    layers = layers[1:]
+  if 'report' not in models:
+    layers = []
+  results += cm.measure(layers, args.compilers, models=models)
+  for r in results:
+    r['world_size'] = cm.WORLD_SIZE
+  gpus = [t for t in args.compilers if cm.TARGETS[t][0] == 'cuda']
+  if 'report' in models and gpus and 1 in args.world_sizes:
+    # the configuration of pytorch/xla#5464
+    results += [
+        dict(r, world_size=1)
+        for r in cm.measure(sorted(args.layers)[:1], gpus, world_size=1)
+    ]
+  return results
+
+
+def print_compiler_tables(results, targets):
+  if not results:
+    return
+  for world_size in sorted({r['world_size'] for r in results}, reverse=True):
+    rows = [r for r in results if r['world_size'] == world_size]
+    cm.print_table(rows,
+                   [t for t in targets if any(r['target'] == t for r in rows)],
+                   world_size)
+  for r in results:
+    if 'explained' not in r:
+      continue
+    e = r['explained']
+    print(f"\n{r['variant']} on {r['target']}, report model, {r['layers']} "
+          f"layers, world size {r['world_size']}: resident in device memory "
+          f"at the compiler's peak {e['peak_bytes'] / MB:.1f} MB")
+    print_buffers(e['buffers'])
 
 
 def find(results, build, flatten, world_size, layers, model='report'):
@@ -315,15 +411,21 @@ def print_explanations(results):
     print(f"\n{label(r['build'], r['flatten'])}, world size "
           f"{r['world_size']}, {r['layers']} layers: resident at the peak "
           f"{r['peak_resident_bytes'] / MB:.1f} MB")
-    for e in r['explained']:
-      if e['bytes'] < 2**20:
-        continue
-      may_be = ', '.join(
-          e['may_be'][:3]) + (' ...' if len(e['may_be']) > 3 else '')
-      print(f"  {e['bytes'] / MB:7.1f} MB  {e['shape']:16} {e['op']:24} "
-            f"{e['source']:58} {may_be}")
-    small = sum(e['bytes'] for e in r['explained'] if e['bytes'] < 2**20)
-    print(f"  {small / MB:7.1f} MB  in buffers under 1 MiB")
+    print_buffers(r['explained'])
+
+
+def print_buffers(buffers):
+  """Buffers of 1 MiB or more (``fsdp_memory_utils.explain_buffers``): size,
+  shape, op (or the buffer's name), source line and what they may be."""
+  for b in buffers:
+    if b['bytes'] < 2**20:
+      continue
+    may_be = ', '.join(
+        b['may_be'][:3]) + (' ...' if len(b['may_be']) > 3 else '')
+    print(f"  {b['bytes'] / MB:7.1f} MB  {b['shape']:18} "
+          f"{b['op'] or b['buffer']:28} {b['source']:40} {may_be}")
+  small = sum(b['bytes'] for b in buffers if b['bytes'] < 2**20)
+  print(f'  {small / MB:7.1f} MB  in buffers under 1 MiB')
 
 
 def plot(results, path):
@@ -359,15 +461,23 @@ def main(argv=None):
   args = parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   results = measure_all(args)
+  compiled = measure_compilers(args)
   for r in results:  # per-run details (and a deleted dump's path)
     for key in ('resident_at_peak', 'live_at_peak', 'hlo_path'):
       r.pop(key, None)
   print_table(results)
   if args.explain:
     print_explanations(results)
+  print_compiler_tables(compiled, args.compilers)
+  if not args.compilers:
+    print('\n(TPU and GPU compilers: none; see --compilers)')
   with open(os.path.join(args.out, 'report.json'), 'w') as f:
     json.dump(results, f, indent=1)
   written = [os.path.join(args.out, 'report.json')]
+  if compiled:
+    with open(os.path.join(args.out, 'compilers.json'), 'w') as f:
+      json.dump(compiled, f, indent=1)
+    written.append(os.path.join(args.out, 'compilers.json'))
   if len({r['layers'] for r in results if r['model'] == 'report'}) > 1:
     plot([r for r in results if r['model'] == 'report'],
          os.path.join(args.out, 'peak_vs_layers.png'))

@@ -543,7 +543,11 @@ def buffer_names(model: nn.Module) -> Dict[str, List[str]]:
             size, '.'.join(
                 x for x in (unit_name, module_name, n) if x and x != '(root)'))
       if kind == 'param':
-        add(shard._orig_size, shard._orig_name)
+        add(
+            shard._orig_size,
+            '.'.join(x for x in [unit_name] + shard._orig_name.split('.')
+                     if x not in ('(root)', '_fsdp_wrapped_module',
+                                  '_fpw_module')))
   return names
 
 
@@ -581,7 +585,7 @@ def explain_buffers(live: List[Tuple[str, int]], hlo_text: str,
   out = []
   for name, size in live:
     m = re.search(r'%' + re.escape(name) + r' = (\S+) ([^\n]*)', hlo_text)
-    shape = re.sub(r'\{[\d,]*\}', '', m.group(1)) if m else '?'
+    shape = re.sub(r'\{[^{}]*\}', '', m.group(1)) if m else '?'
     line = m.group(2) if m else ''
     op = _OP_TYPE_RE.search(line)
     src = _SOURCE_RE.search(line)

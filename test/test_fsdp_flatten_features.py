@@ -1,9 +1,8 @@
 """flatten_parameters=True with the other FSDP features.
 
 This repository's suite, not part of the upstream change (whose tests are
-test_fsdp_flatten_parity.py, test_fsdp_flatten_freed_params.py and
-test_fsdp_flatten_shared_modules.py): features whose behaviour the change
-leaves as it was.
+test_fsdp_flatten_parity.py and test_fsdp_flatten_freed_params.py):
+features whose behaviour the change leaves as it was.
 
 Each feature trains the same nested model (test_fsdp_flatten_parity.Net) for
 a few steps with flatten_parameters=True and is compared with

@@ -24,7 +24,7 @@ from torch_xla.distributed.fsdp import (XlaFullyShardedDataParallel as FSDP,
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import test_utils
-from fsdp_test_utils import torch_checkpoint
+from fsdp_test_utils import count_collectives, torch_checkpoint
 from test_fsdp_flatten_parity import Block, Net, RTOL
 
 
@@ -51,6 +51,15 @@ class ReadsWeight(Net):
     return super().forward(x) + F.linear(x, self.blocks[0].fc1.weight)[:, :10]
 
 
+class SharedWithRoot(Net):
+  """The root's head is also a submodule of the second block's unit, which
+  flattens its parameters."""
+
+  def __init__(self):
+    super().__init__()
+    self.blocks[1].head = self.head
+
+
 class Regularized(Net):
   """The root adds a function of a parameter of the first block."""
 
@@ -74,12 +83,15 @@ def make_net(cls=Net, inner_checkpoint=None):
   return net
 
 
-def wrap(net, flatten_parameters=True):
+def wrap(net, flatten_parameters=True, **kwargs):
   """``net`` with each block an FSDP unit under the root."""
   policy = functools.partial(
       transformer_auto_wrap_policy, transformer_layer_cls={Block})
   return FSDP(
-      net, auto_wrap_policy=policy, flatten_parameters=flatten_parameters)
+      net,
+      auto_wrap_policy=policy,
+      flatten_parameters=flatten_parameters,
+      **kwargs)
 
 
 def make_batch():
@@ -164,6 +176,17 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
         F.cross_entropy(model(x), y).backward()
         self.assertEqual(gathered, [])
 
+  def test_shared_submodule_trains_without_resharding_after_forward(self):
+    # The remedy the error gives: with reshard_after_forward=False a unit
+    # keeps its parameters gathered from its forward to its backward.
+    losses = train_losses(
+        wrap(make_net(SharedWithRoot), reshard_after_forward=False))
+    torch.testing.assert_close(
+        losses,
+        train_losses(make_net(SharedWithRoot).to(torch_xla.device())),
+        rtol=1e-5,
+        atol=0)
+
   def test_checkpointed_inside_trains_as_unflattened(self):
     for style in ('checkpoint_module', 'reentrant', 'non_reentrant'):
       with self.subTest(style=style):
@@ -214,6 +237,28 @@ class TestUseOfAFreedParameter(test_utils.XlaTestCase):
       model(x)
       norm = kept[0].pow(2).sum()
     self.assertTrue(torch.isnan(norm).item())
+
+  def test_submodule_shared_with_another_unit_raises(self):
+    # (stock: the views of the unit's forward; FSDP does not gather the
+    # parameters at a call that not every rank may make)
+    model = wrap(make_net(SharedWithRoot))
+    x, _ = make_batch()
+    with self.assertRaisesRegex(
+        RuntimeError, r"Parameter 'blocks\.1\.head\.weight' is used while "
+        r"the FSDP unit 'blocks\.1' \(Block\).*reshard_after_forward=False"):
+      model(x)
+
+  def test_probe_between_steps_raises_without_collectives(self):
+    # (stock: the weights of the last forward; an all-gather here would be
+    # issued only by the ranks that make the call)
+    model = wrap(make_net())
+    x, _ = make_batch()
+    with torch.no_grad():
+      model(x)
+      with count_collectives(model) as collectives, self.assertRaisesRegex(
+          RuntimeError, r"Parameter 'blocks\.0\.fc1\.weight' is used while"):
+        model.blocks[0].fc1(x)
+    self.assertEqual(collectives['all_gather'], 0)
 
   def test_deepcopy_raises(self):
     # (stock: an error about tensors that are not graph leaves, the views;

@@ -134,8 +134,10 @@ class TestMetaInit(test_utils.XlaTestCase):
       alive_at_sync.extend(r() for r in originals if r() is not None)
       return sync(*args, **kwargs)
 
-    with mock.patch.object(torch_xla, 'sync', side_effect=record_and_sync):
+    with mock.patch.object(
+        torch_xla, 'sync', side_effect=record_and_sync) as mocked:
       model = FSDP(net, flatten_parameters=False)
+    mocked.assert_called()
     # (without functionalization, FSDP frees the originals themselves)
     freed_by_fsdp = [
         p for p in alive_at_sync if any(p is q for q in model.full_params)

@@ -12,7 +12,6 @@ import logging
 from math import inf
 import time
 import traceback
-import warnings
 import weakref
 from typing import (
     Any,
@@ -169,22 +168,19 @@ class XlaFullyShardedDataParallel(nn.Module):
           gathered flat parameter at once. The original parameters hold data
           only while the flat parameter is gathered (in this module's
           forward and backward; with ``reshard_after_forward=False``, from
-          its forward to its backward). Read by attribute while freed
-          (weights tied by hand across FSDP units, a regularizer over the
-          parameters), any use of one raises an error that names it: call
-          the module that holds it, tie the weights inside one unit, or pass
-          ``reshard_after_forward=False`` to this module. A tensor taken
-          from a submodule in forward and used after it holds NaN once
-          freed. A submodule called outside this module's forward while they
-          are freed gathers them only inside the forward of another FSDP
-          unit of the model (which shares it, or calls it through this
-          module's attributes), a call that every rank makes: in the
-          model's first forward, this module then keeps them gathered after
-          forward from then on, as with ``reshard_after_forward=False`` (with
-          a warning); in a later forward it raises an error. Called outside
-          every FSDP forward (e.g. a probe between steps, which some ranks may
-          not make), it raises an error. Such a module cannot be deep-copied
-          or pickled (an error says what to do instead).
+          its forward to its backward). Used while freed, by a submodule
+          called outside this module's forward (one that another FSDP unit
+          shares, or a probe between steps) or read by attribute (weights
+          tied by hand across units, a regularizer over the parameters),
+          any use of one raises an error that names it; FSDP does not gather
+          it there, since ranks that do not make that call would not issue
+          the all-gather. Pass ``reshard_after_forward=False`` to this module
+          (a submodule called after its forward then reads the gathered
+          parameters), or call the submodule inside this module's forward,
+          or tie the weights inside one unit. A tensor taken from a
+          submodule in forward and used after it holds NaN once freed. Such
+          a module cannot be deep-copied or pickled (an error says what to
+          do instead).
       execute_sharding_on_init (bool, Optional):
           if ``True``, immediately execute the parameter sharding via
           `torch_xla.sync()` to free up the memory of the full parameters.
@@ -612,7 +608,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     # counted in forward) and received (see `_count_grad_parts`).
     self._grad_parts = Counter()
     # (set by the root, see `_set_is_root`)
-    self._model, self._name_in_model = None, ""
+    self._name_in_model = ""
 
     if execute_sharding_on_init:
       # Execute the parameter sharding immediately and free up the memory
@@ -763,8 +759,6 @@ class XlaFullyShardedDataParallel(nn.Module):
     full_params = []
     for module_name, m in self.named_modules():
       for n, p in m.named_parameters(recurse=False):
-        if p.dtype != torch.float32:
-          raise TypeError("only fp32 parameters are supported")
         if p in params_to_shard_set:
           if p in shared_full_param_memo:
             mname, shared_m, shared_n = shared_full_param_memo[p]
@@ -845,12 +839,6 @@ class XlaFullyShardedDataParallel(nn.Module):
         p._unflattened_params = _UnflattenedParams(
             p, self._dummy_data_placeholder, self.optimization_barrier_op
             if self.optimization_barrier_in_forward else None, self)
-        modules = {m: name for name, m, _ in p._param_infos}
-        modules.update(
-            (m, name) for name, _, m, _, _, _ in p._shared_param_infos)
-        for m, name in modules.items():
-          m.register_forward_pre_hook(
-              functools.partial(self._called_outside_forward, name))
     if self.flatten_parameters:
       # replace the views set at flattening time, which hold the full data
       self._fsdp_wrapped_module._unflatten_params_as_views()
@@ -1016,65 +1004,10 @@ class XlaFullyShardedDataParallel(nn.Module):
         assert m._is_root is None or not m._is_root
         if m._is_root is None:
           m._is_root = False
-    # What `_called_outside_forward` needs to know of the model: its units,
-    # and whether its first forward is done.
-    model = {"units": [], "first_forward_done": False}
+    # (for errors that name a parameter, see `_FreedParameter`)
     for n, m in self.named_modules():
       if isinstance(m, XlaFullyShardedDataParallel):
-        model["units"].append(m)
-        m._model, m._name_in_model = model, n
-
-  def _called_outside_forward(self, module_name: str, module: nn.Module,
-                              args: Any) -> None:
-    """
-    Forward pre-hook of each submodule whose parameters this module
-    flattens. Called outside this module's forward while its parameters
-    are freed (by another FSDP unit that shares it, or through this
-    module's attributes), the submodule would read them freed (views into
-    the flat parameter used to keep them alive). Inside the forward of
-    another unit of the model, a call every rank makes, this module gathers
-    them now; if that is in the model's first forward, it also keeps them
-    gathered after forward from then on, as with
-    ``reshard_after_forward=False`` (also after a `_reset_lazy_init`).
-    Anywhere else it raises an error: an all-gather issued from there may
-    be issued by some ranks only.
-    """
-    # (`has_full_params` is cleared by the freeing of a gradient, while the
-    # recompute of a checkpointed submodule may still read the parameters)
-    if (self.training_state == TrainingState.FORWARD or
-        all(p._has_full_param for p in self.full_params)):
-      return
-    name = self._qualified_name(module_name)
-    unit = self._unit_name()
-    model = self._model
-    if model is None or not any(m.training_state == TrainingState.FORWARD
-                                for m in model["units"]):
-      raise RuntimeError(
-          f"Module '{name}' is called outside every FSDP forward while the "
-          f"FSDP unit {unit}, which flattens its parameters, has freed them. "
-          "Gathering them here would issue an all-gather that ranks not "
-          "making this call do not issue. Call it from the forward of an "
-          "FSDP unit (e.g. the root's) on every rank, or call the unit.")
-    if self.reshard_after_forward:
-      if model["first_forward_done"]:
-        raise RuntimeError(
-            f"Module '{name}' is called outside the forward of the FSDP unit "
-            f"{unit}, which flattens its parameters, and not in the model's "
-            "first forward: whether the unit keeps its parameters gathered "
-            "after forward is decided there. Pass reshard_after_forward="
-            "False to that unit, or wrap the modules that share a module in "
-            "one FSDP unit.")
-      self.reshard_after_forward = self._orig_reshard_after_forward = False
-      warnings.warn(
-          f"Module '{name}', whose parameters the FSDP unit {unit} flattens, "
-          "is called outside that unit's forward: the unit keeps them "
-          "gathered after forward (reshard_after_forward=False). Call the "
-          "unit itself, or wrap the modules that share a module in one FSDP "
-          "unit.")
-    self._rebuild_full_params(
-        apply_opt_barrier=self.optimization_barrier_in_forward)
-    # (before this unit's first forward, its submodules hold placeholders)
-    self._fsdp_wrapped_module._unflatten_params_as_views()
+        m._name_in_model = n
 
   def _qualified_name(self, name: str) -> str:
     """``name``, relative to this unit, from the root (FSDP's wrappers left
@@ -1139,12 +1072,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     self._register_post_backward_hooks()
 
     if not self._debug_dummy_forward_pass:
-      try:
-        outputs = self.module(*args, **kwargs)
-      except BaseException:
-        # (a call after it is not in this forward: `_called_outside_forward`)
-        self.training_state = TrainingState.IDLE
-        raise
+      outputs = self.module(*args, **kwargs)
     else:
       # Run a dummy forward pass by summing the inputs and full parameter.
       # This can be used to debug FSDP parameter memory consumption.
@@ -1183,8 +1111,6 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     # Done with a forward pass.
     self.training_state = TrainingState.IDLE
-    if self._is_root:
-      self._model["first_forward_done"] = True
 
     return outputs
 
@@ -1207,6 +1133,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     node = flat[0]._unflattened_params.grad_fn()
     if node is None:
       return
+    # (`_sequence_nr` orders autograd nodes by creation: public API has no
+    # other way to tell this forward's nodes from earlier ones)
     regions, reached = 0, False
     todo = [t.grad_fn for t in collect_tensors(outputs)]
     seen = set()
@@ -1218,16 +1146,20 @@ class XlaFullyShardedDataParallel(nn.Module):
       seen.add(f)
       reached = reached or f is node
       # A checkpoint's node holds its function; an inner FSDP module has
-      # counted those of its own forward.
-      if (hasattr(f, "run_function") and
-          not getattr(f, "_fsdp_counted", False)):
+      # counted those of its own forward, and one checkpointed as a whole
+      # (whose recompute reads its own parameters) gives this module none.
+      run = getattr(f, "run_function", None)
+      if (run is not None and not getattr(f, "_fsdp_counted", False) and
+          not isinstance(
+              getattr(run, "__self__", None), XlaFullyShardedDataParallel)):
         f._fsdp_counted = True
         regions += 1
       todo.extend(g for g, _ in f.next_functions)
     parts = self._grad_parts
     parts["expected"] += regions
     if reached:
-      # (a forward inside backward is a recompute: its backward is its own)
+      # (a forward inside backward is a recompute: its backward is its own;
+      # the id of the running backward is -1 outside backward)
       if torch._C._current_graph_task_id() != -1:
         parts["expected"] += 1
       elif not parts["main"]:
@@ -1977,33 +1909,18 @@ class XlaFullyShardedDataParallel(nn.Module):
     recursive_wrap(**auto_wrap_kwargs, **fsdp_kwargs)
 
 
-def _check_param_dtypes(module: nn.Module, flatten_parameters: bool) -> None:
-  """
-  Raise an error naming the parameter for one that is not float32, which
-  FSDP does not shard (a flat parameter also holds one dtype): where the
-  flattening or the sharding of ``module``'s parameters would fail on it.
-  """
-  for name, p in module.named_parameters():
-    if p.dtype != torch.float32 and not hasattr(p, "_is_sharded"):
-      flat = " (a flat parameter has one dtype)" if flatten_parameters else ""
-      raise TypeError(
-          f"FSDP only supports float32 parameters, but parameter '{name}' of "
-          f"{type(module).__name__} is {p.dtype}{flat}. Keep parameters in "
-          "float32 (e.g. module.float()); for lower-precision compute, pass "
-          "compute_dtype=torch.bfloat16 (or torch.float16).")
-
-
 class _UnflattenedParams:
   """
   The original parameters of a ``FlatParameter`` as its wrapped submodules
   use them in forward and backward.
 
-  Stock ``XlaFlattenParamsWrapper`` sets views into the flat parameter. The
-  submodules hold them and autograd saves them for backward, so they pin the
-  forward's gathered data until backward (which then computes with it rather
-  than with the data gathered for backward), and they are outputs of the step
-  graph; under functionalization a view cannot even be freed, as it is
-  regenerated from its base whenever it is read. Here each forward makes the
+  Views into the flat parameter (what ``XlaFlattenParamsWrapper`` sets where
+  ``_unflattened_params`` is None) would be held by the submodules and saved
+  by autograd for backward, so they would pin the forward's gathered data
+  until backward (which would then compute with it rather than with the
+  data gathered for backward), and be outputs of the step graph; under
+  functionalization a view cannot even be freed, as it is regenerated from
+  its base whenever it is read. Here each forward makes the
   original parameters with ``_UnflattenFlatParameter``: tensors of their own,
   whose data FSDP swaps as it does that of an unflattened full parameter
   (freed after forward, pointed at the data gathered for backward, freed
@@ -2159,7 +2076,7 @@ class _FreedParameter:
   def _error(self) -> "_FreedParameterError":
     name, unit_name = self._names()
     unit = self._unit()
-    if unit is None or unit._model is None:
+    if unit is None or unit._is_root is None:
       return _FreedParameterError(
           f"Parameter '{name}' of the FSDP unit {unit_name} is used before "
           "the model's first forward, while FSDP holds only its shards. "
@@ -2168,11 +2085,14 @@ class _FreedParameter:
     return _FreedParameterError(
         f"Parameter '{name}' is used while the FSDP unit {unit_name}, which "
         "flattens it, has freed it: its data is gathered only for that "
-        "unit's forward and backward, and it was used outside them. Call "
-        "the module that holds it, or tie the weights inside one "
-        "FSDP unit, or pass reshard_after_forward=False to that unit (it "
-        "then keeps its parameters gathered from its forward to its "
-        "backward; between training steps they are freed).")
+        "unit's forward and backward, and it was used outside them (by a "
+        "submodule called from elsewhere, e.g. shared with another unit, or "
+        "read by attribute). FSDP does not gather it there: ranks that do "
+        "not make this call would not issue the all-gather. Pass "
+        "reshard_after_forward=False to that unit (it then keeps its "
+        "parameters gathered from its forward to its backward: use them "
+        "after its forward), or call the submodule inside that unit's "
+        "forward, or tie the weights inside one FSDP unit.")
 
   def __getattr__(self, name: str) -> Any:
     # An AttributeError, so that hasattr() and getattr() with a default
@@ -2334,3 +2254,19 @@ def _cast_floats_tensors(dtype: torch.dtype, *args: Any,
     return t
 
   return apply_to_tensors(fn, args), apply_to_tensors(fn, kwargs)
+
+
+def _check_param_dtypes(module: nn.Module, flatten_parameters: bool) -> None:
+  """
+  Raise an error naming the parameter for one that is not float32, which
+  FSDP does not shard (a flat parameter also holds one dtype): where the
+  flattening or the sharding of ``module``'s parameters would fail on it.
+  """
+  for name, p in module.named_parameters():
+    if p.dtype != torch.float32 and not hasattr(p, "_is_sharded"):
+      flat = " (a flat parameter has one dtype)" if flatten_parameters else ""
+      raise TypeError(
+          f"FSDP only supports float32 parameters, but parameter '{name}' of "
+          f"{type(module).__name__} is {p.dtype}{flat}. Keep parameters in "
+          "float32 (e.g. module.float()); for lower-precision compute, pass "
+          "compute_dtype=torch.bfloat16 (or torch.float16).")
