@@ -187,6 +187,39 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
         rtol=1e-5,
         atol=0)
 
+  def test_outer_unit_freed_before_its_checkpointed_inner_units(self):
+    # A checkpoint around an inner FSDP unit is no part of the outer unit's
+    # gradient: counted as one, the outer unit kept its parameters to the
+    # end of backward. (stock: views of the outer flat parameter)
+    class Stage(nn.Module):
+
+      def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(100, 100)
+        self.inner = checkpoint_module(FSDP(Block(), flatten_parameters=True))
+
+      def forward(self, x):
+        return self.inner(self.proj(x))
+
+    torch.manual_seed(0)
+    stages = nn.Sequential(
+        *[FSDP(Stage(), flatten_parameters=True) for _ in range(2)])
+    model = FSDP(
+        nn.Sequential(stages, nn.Linear(100, 10)), flatten_parameters=True)
+    kept = []
+    finalize = model._wait_for_post_backward
+
+    def end_of_backward():
+      kept.extend(i for i, stage in enumerate(stages)
+                  if isinstance(stage.proj.weight, torch.Tensor) or
+                  stage.full_params[0]._has_full_param)
+      finalize()
+
+    model._wait_for_post_backward = end_of_backward
+    x, y = make_batch()
+    F.cross_entropy(model(x), y).backward()
+    self.assertEqual(kept, [])
+
   def test_checkpointed_inside_trains_as_unflattened(self):
     for style in ('checkpoint_module', 'reentrant', 'non_reentrant'):
       with self.subTest(style=style):
