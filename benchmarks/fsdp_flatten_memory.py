@@ -23,7 +23,7 @@ executable: what a device holds for the step), graph outputs, all-gathers, reduc
 instructions, compile and step time. Every configuration runs in a process
 of its own, stock torch_xla with TORCH_XLA_FSDP_OVERLAY=0.
 
-  python benchmarks/fsdp_flatten_memory.py                # about 90 minutes
+  python benchmarks/fsdp_flatten_memory.py                # about 2 hours on 2 cores
   python benchmarks/fsdp_flatten_memory.py --compilers none       # XLA:CPU only
   python benchmarks/fsdp_flatten_memory.py --compilers tpu-v5e gpu-h100
   python benchmarks/fsdp_flatten_memory.py --models gpt2 my_pkg.models:build
@@ -35,7 +35,8 @@ of its own, stock torch_xla with TORCH_XLA_FSDP_OVERLAY=0.
 On CPU the step graphs keep FSDP's optimization barriers, as on TPU (XLA's
 CPU pipeline drops them); --pipeline default measures the plain CPU pipeline.
 
-Writes report.json and peak_vs_layers.png to --out (default out/report).
+Writes report.json, compilers.json and peak_vs_layers.png to --out (default
+out/report).
 """
 
 import argparse
