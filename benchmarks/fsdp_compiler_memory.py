@@ -294,6 +294,12 @@ def trace(stock: Optional[bool],
       if text is not None or ended:
         break
       time.sleep(0.5)
+    # (the first device's thread writes the buffer names before its step,
+    # but another's step module may be dumped first)
+    names_by = time.time() + 60
+    while (text is not None and proc.poll() is None and
+           not os.path.exists(out + '.names.json') and time.time() < names_by):
+      time.sleep(0.5)
   finally:
     # The step's collectives may never complete on CPU: end the tracing
     # processes (the session of the child, started above) instead of
