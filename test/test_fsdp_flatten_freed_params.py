@@ -115,6 +115,29 @@ def train_losses(model, steps=3):
   return losses
 
 
+def held_at_end_of_backward(model, units):
+  """Of ``units`` (name: FSDP unit), those whose flat parameter is gathered,
+  or whose submodules hold tensors of its data, when the backward of a
+  training step of ``model`` ends, before FSDP's clean-up (which frees all).
+  """
+  held = []
+  finalize = model._wait_for_post_backward
+
+  def end_of_backward():
+    for name, unit in units.items():
+      flat = unit.full_params[0]
+      if flat._has_full_param or any(
+          isinstance(getattr(m, n), torch.Tensor)
+          for _, m, n in flat._param_infos):
+        held.append(name)
+    finalize()
+
+  model._wait_for_post_backward = end_of_backward
+  x, y = make_batch()
+  F.cross_entropy(model(x), y).backward()
+  return held
+
+
 def block_linears(model):
   """The blocks' layers (the root keeps its own parameters gathered from
   forward to backward)."""
@@ -159,22 +182,8 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
     for style in ('checkpoint_module', 'reentrant', 'non_reentrant'):
       with self.subTest(style=style):
         model = wrap(make_net(inner_checkpoint=style))
-        gathered = []
-        finalize = model._wait_for_post_backward
-
-        def end_of_backward():
-          gathered.extend(name for name, m in model.blocks.named_modules()
-                          if isinstance(m, nn.Linear) and
-                          isinstance(m.weight, torch.Tensor))
-          gathered.extend(name for name, m in model.blocks.named_modules()
-                          if isinstance(m, FSDP) and any(
-                              p._has_full_param for p in m.full_params))
-          finalize()
-
-        model._wait_for_post_backward = end_of_backward
-        x, y = make_batch()
-        F.cross_entropy(model(x), y).backward()
-        self.assertEqual(gathered, [])
+        units = {str(i): block for i, block in enumerate(model.blocks)}
+        self.assertEqual(held_at_end_of_backward(model, units), [])
 
   def test_shared_submodule_trains_without_resharding_after_forward(self):
     # The remedy the error gives: with reshard_after_forward=False a unit
@@ -206,19 +215,8 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
         *[FSDP(Stage(), flatten_parameters=True) for _ in range(2)])
     model = FSDP(
         nn.Sequential(stages, nn.Linear(100, 10)), flatten_parameters=True)
-    kept = []
-    finalize = model._wait_for_post_backward
-
-    def end_of_backward():
-      kept.extend(i for i, stage in enumerate(stages)
-                  if isinstance(stage.proj.weight, torch.Tensor) or
-                  stage.full_params[0]._has_full_param)
-      finalize()
-
-    model._wait_for_post_backward = end_of_backward
-    x, y = make_batch()
-    F.cross_entropy(model(x), y).backward()
-    self.assertEqual(kept, [])
+    units = {str(i): stage for i, stage in enumerate(stages)}
+    self.assertEqual(held_at_end_of_backward(model, units), [])
 
   def test_checkpointed_inside_trains_as_unflattened(self):
     for style in ('checkpoint_module', 'reentrant', 'non_reentrant'):
