@@ -151,12 +151,13 @@ def _trace_worker(index: int, model_name: str, layers: int,
       return model(ids)
 
   names = os.environ.get('FSDP_TRACE_NAMES')
-  if names and index == 0:
-    # what a buffer of each shape may be, for --explain (before the step:
-    # the tracing processes are ended once its module is dumped)
-    with open(names + '.tmp', 'w') as f:
+  if names:
+    # What a buffer of each shape may be, for --explain: the same on every
+    # device, written by each (one of them may die once another's step is
+    # dumped), before the step (the tracing processes are then ended).
+    with open(f'{names}.{index}.tmp', 'w') as f:
       json.dump(mu.buffer_names(model), f)
-    os.replace(names + '.tmp', names)
+    os.replace(f'{names}.{index}.tmp', names)
 
   # (a function, so that the batch and the activations are no longer
   # referenced at the sync and do not become graph outputs)
@@ -197,6 +198,12 @@ def _step_module(dump_dir: str, world_size: int) -> Optional[str]:
   if world_size == 1 and texts:
     return max(texts, key=len)
   return None
+
+
+def names_path(hlo_path: str) -> str:
+  """Where ``trace`` keeps what a buffer of each shape of the traced model
+  may be (``fsdp_memory_utils.buffer_names``), for ``explain``."""
+  return hlo_path + '.names.json'
 
 
 def cache_dir() -> str:
@@ -253,7 +260,7 @@ def trace(stock: Optional[bool],
   out_dir = out_dir or cache_dir()
   out = os.path.join(out_dir, name)
   # (a trace kept from before the buffer names were written is made again)
-  if os.path.exists(out) and os.path.exists(out + '.names.json'):
+  if os.path.exists(out) and os.path.exists(names_path(out)):
     return out
   os.makedirs(out_dir, exist_ok=True)
   what = (f"{model} model, {layers} layers, {'stock' if stock else 'fixed'} "
@@ -273,7 +280,7 @@ def trace(stock: Optional[bool],
       # CPU helper, only the dump
       XLA_FLAGS=f'--xla_dump_to={dump_dir} '
       '--xla_disable_hlo_passes=cse_barrier_expander',
-      FSDP_TRACE_NAMES=out + '.names.json')
+      FSDP_TRACE_NAMES=names_path(out))
   env.pop('XLA_HLO_DEBUG', None)
   proc = subprocess.Popen([
       sys.executable,
@@ -294,11 +301,11 @@ def trace(stock: Optional[bool],
       if text is not None or ended:
         break
       time.sleep(0.5)
-    # (the first device's thread writes the buffer names before its step,
-    # but another's step module may be dumped first)
+    # (each device writes the buffer names before its step, but one's step
+    # module may be dumped before any has written them)
     names_by = time.time() + 60
     while (text is not None and proc.poll() is None and
-           not os.path.exists(out + '.names.json') and time.time() < names_by):
+           not os.path.exists(names_path(out)) and time.time() < names_by):
       time.sleep(0.5)
   finally:
     # The step's collectives may never complete on CPU: end the tracing
@@ -459,7 +466,7 @@ def explain(dump_dir: str, names_path: Optional[str] = None) -> dict:
   assignment and live ranges, read as ``fsdp_memory_utils`` reads XLA:CPU's
   (each region counted once), and each buffer described by shape (what it
   may be in the traced model, from ``names_path``: ``trace`` writes it
-  beside the HLO), op and instruction. A buffer of another element type or
+  beside the HLO, ``names_path``), op and instruction. A buffer of another element type or
   shape with as many elements as a known one (a bfloat16 copy, a reshape)
   says so."""
   sys.path.insert(0, os.path.join(_REPO, 'test'))
@@ -679,7 +686,8 @@ def measure(layers: List[int],
             models=('report',),
             dump_to: Optional[str] = None) -> List[dict]:
   """Compile every variant of each model (the report model at each depth)
-  for each target; one dict of memory stats per compile."""
+  for each target; one dict of memory stats per compile (with the folder of
+  the compiler's dumps, ``dump_dir``, under ``dump_to``)."""
   results = []
   for model in models:
     for n in (layers if model == 'report' else [LARGE.layers]):
@@ -689,18 +697,18 @@ def measure(layers: List[int],
         with open(hlo) as f:
           gathered = largest_gather_bytes(f.read())
         for target in targets:
+          # (a folder per target and step module)
+          dump_dir = dump_to and os.path.join(
+              dump_to, target,
+              os.path.basename(hlo)[:-len('.hlo.txt')])
           results.append(
               dict(
-                  compile_hlo(
-                      hlo,
-                      target,
-                      dump_to=dump_to and
-                      os.path.join(dump_to, target,
-                                   os.path.basename(hlo)[:-len('.hlo.txt')])),
+                  compile_hlo(hlo, target, dump_to=dump_dir),
                   model=model,
                   variant=variant,
                   layers=n,
                   hlo=hlo,
+                  dump_dir=dump_dir,
                   largest_gather_bytes=gathered))
   return results
 

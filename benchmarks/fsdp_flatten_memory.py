@@ -120,6 +120,7 @@ def parse_args(argv):
   parser.add_argument(
       '--compilers',
       nargs='+',
+      choices=[*cm.TARGETS, 'none'],
       metavar='TARGET',
       help='also compile each step deviceless for these TPU and GPU targets '
       f"(of {', '.join(cm.TARGETS)}; 'none': XLA:CPU only), traced at world "
@@ -134,7 +135,9 @@ def parse_args(argv):
       'of each variant, mapped to FSDP units and parameters; with compilers, '
       "also at each compiler's peak, for the report model's smallest depth")
   args = parser.parse_args(argv)
-  if args.compilers == ['none']:
+  if args.compilers and 'none' in args.compilers:
+    if len(args.compilers) > 1:
+      parser.exit(2, 'error: --compilers none names no other target\n')
     args.compilers = []
   elif args.compilers is None:
     args.compilers = [t for t in cm.TARGETS if cm.missing(t) is None]
@@ -143,8 +146,6 @@ def parse_args(argv):
             "'.[compilers]'); XLA:CPU only")
   else:
     for t in args.compilers:
-      if t not in cm.TARGETS:
-        parser.exit(2, f"error: unknown target {t}: {', '.join(cm.TARGETS)}\n")
       if cm.missing(t):
         parser.exit(2, f'error: {t}: {cm.missing(t)}\n')
   for name, values, low in (('--layers', args.layers, 1), ('--world-sizes',
@@ -249,10 +250,7 @@ def measure_compilers(args):
     # (dumps only for the configuration explained: XLA:GPU's are large)
     dump_to = os.path.join(args.out, 'compiler_dumps')
     for r in cm.measure(layers[:1], args.compilers, dump_to=dump_to):
-      r['explained'] = cm.explain(
-          os.path.join(dump_to, r['target'],
-                       os.path.basename(r['hlo'])[:-len('.hlo.txt')]),
-          r['hlo'] + '.names.json')
+      r['explained'] = cm.explain(r['dump_dir'], cm.names_path(r['hlo']))
       results.append(r)
     layers = layers[1:]
   if 'report' not in models:

@@ -522,12 +522,16 @@ def buffer_names(model: nn.Module) -> Dict[str, List[str]]:
             if isinstance(numel_or_size, int) else list(numel_or_size))
     names.setdefault(f"f32[{','.join(map(str, dims))}]", []).append(what)
 
+  def qualified(*names):
+    """``names`` joined by dots, without FSDP's wrapper modules."""
+    return '.'.join(
+        x for name in names for x in name.split('.')
+        if x and x not in ('(root)', '_fsdp_wrapped_module', '_fpw_module'))
+
   for unit_name, unit in model.named_modules():
     if not isinstance(unit, FSDP):
       continue
-    unit_name = (
-        unit_name.replace('_fsdp_wrapped_module.', '').replace(
-            '_fpw_module.', '') or '(root)')
+    unit_name = qualified(unit_name) or '(root)'
     multiple = unit.world_size * unit._shard_size_multiple
     for full, shard in zip(unit.full_params, unit.sharded_params):
       padded = -(-shard._orig_size.numel() // multiple) * multiple
@@ -537,17 +541,9 @@ def buffer_names(model: nn.Module) -> Dict[str, List[str]]:
       for (module_name, _, n), size in zip(
           getattr(full, '_param_infos', []), getattr(full, '_param_shapes',
                                                      [])):
-        module_name = module_name.replace('_fpw_module.',
-                                          '').replace('_fpw_module', '')
-        add(
-            size, '.'.join(
-                x for x in (unit_name, module_name, n) if x and x != '(root)'))
+        add(size, qualified(unit_name, module_name, n))
       if kind == 'param':
-        add(
-            shard._orig_size,
-            '.'.join(x for x in [unit_name] + shard._orig_name.split('.')
-                     if x not in ('(root)', '_fsdp_wrapped_module',
-                                  '_fpw_module')))
+        add(shard._orig_size, qualified(unit_name, shard._orig_name))
   return names
 
 
