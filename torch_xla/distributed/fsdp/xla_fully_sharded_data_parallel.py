@@ -1133,14 +1133,13 @@ class XlaFullyShardedDataParallel(nn.Module):
     node = flat[0]._unflattened_params.grad_fn()
     if node is None:
       return
-    # (`_sequence_nr` orders autograd nodes by creation: public API has no
-    # other way to tell this forward's nodes from earlier ones)
     regions, reached = 0, False
     todo = [t.grad_fn for t in collect_tensors(outputs)]
     seen = set()
     while todo:
       f = todo.pop()
-      # (nodes made before this forward are not this module's)
+      # (nodes made before this forward are not this module's: autograd
+      # numbers its nodes in the order made, and has no public API for it)
       if f is None or f in seen or f._sequence_nr() < node._sequence_nr():
         continue
       seen.add(f)
