@@ -105,11 +105,20 @@ def missing(target: str) -> Optional[str]:
 # hidden 256 the TPU compiler keeps small buffers in on-chip memory and the
 # HBM figure says little.
 TRANSFORMERS = ('llama', 'gpt2', 't5', 'bert', 'qwen2')
+# T5 with 4 heads, 2 layers: its relative attention bias is [32, 4] (for the
+# tests).
+T5_4_HEADS = 't5-4-heads'
+
+
+def _size(name: str) -> fsdp_real_models.Size:
+  return LARGE._replace(heads=4, layers=2) if name == T5_4_HEADS else LARGE
 
 
 def build_transformer(name: str):
   """(module returning the language-modelling loss, input ids, layer
   classes to wrap as FSDP units) of a transformers model, random weights."""
+  if name == T5_4_HEADS:
+    return fsdp_real_models.t5(size=_size(name))
   if name not in TRANSFORMERS:
     raise ValueError(f'unknown model {name!r}: {", ".join(TRANSFORMERS)}')
   return getattr(fsdp_real_models, name)(size=LARGE)
@@ -254,7 +263,7 @@ def trace(stock: Optional[bool],
     with open(path, 'rb') as f:
       digest.update(f.read())
   if model != 'report':
-    layers = LARGE.layers
+    layers = _size(model).layers
   name = (f"{model}-w{world_size}-l{layers}-{'stock' if stock else 'fixed'}-"
           f"{'T' if flatten else 'F'}-{digest.hexdigest()[:12]}.hlo.txt")
   out_dir = out_dir or cache_dir()
@@ -454,6 +463,17 @@ def _compile_main(target: str, hlo_path: str, dump_to: str = '') -> None:
       donors=num_donors,
       aliased=aliased,
       compile_seconds=time.time() - start)
+  # (the compiler's own cost model: what a step reads and writes, and its
+  # flops; no chip runs it here)
+  try:
+    cost = executable.cost_analysis()
+  except Exception:  # (XLA:GPU's compile-only client has none)
+    cost = None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  cost = cost or {}
+  out['flops'] = cost.get('flops')
+  out['bytes_accessed'] = cost.get('bytes accessed')
   out['total_bytes'] = (
       out['argument_bytes'] + out['output_bytes'] + out['temp_bytes'] -
       out['alias_bytes'])

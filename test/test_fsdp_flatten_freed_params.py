@@ -12,6 +12,7 @@ names what stock did. Run with and without functionalization
 import copy
 import functools
 import pickle
+import re
 import sys
 import unittest
 
@@ -226,6 +227,60 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
             train_losses(wrap(make_net(inner_checkpoint=style), False)),
             rtol=RTOL,
             atol=0)
+
+
+def weight_hlo(model, phase):
+  """The HLO (as torch_xla 2.9 prints it) that computes the first block's
+  ``fc1.weight`` as that layer runs its ``phase`` ('forward' or 'backward')
+  in a training step."""
+  texts = {}
+  fc1 = model.blocks[0].fc1
+
+  def hook(*args):
+    texts.setdefault(phase, torch_xla._XLAC._get_xla_tensors_hlo([fc1.weight]))
+
+  handle = (
+      fc1.register_forward_hook(hook)
+      if phase == 'forward' else fc1.register_full_backward_pre_hook(hook))
+  x, y = make_batch()
+  F.cross_entropy(model(x), y).backward()
+  handle.remove()
+  return texts[phase]
+
+
+class TestCopiedOutAlone(test_utils.XlaTestCase):
+  """Each gather copies the original parameters out of the flat parameter
+  as 1-D ranges behind an optimization barrier, and reshapes them behind
+  it: a compiler then converts or reshapes each parameter alone (on TPU, a
+  view let it convert the whole gathered unit to bfloat16, or reshape all
+  of it to a [N, 16] that (8, 128) tiles pad 8 times)."""
+
+  def assert_reshaped_from_a_range_behind_a_barrier(self, hlo):
+    made = dict(
+        re.findall(r'^\s*(?:ROOT )?(%\S+) = (.*)$', hlo, flags=re.MULTILINE))
+    root = re.search(r'ROOT %\S+ = \(f32\[300,100\]\S*\) tuple\(\S+ (%\S+)\)',
+                     hlo)
+    self.assertIsNotNone(root, hlo)
+    weight = root.group(1)
+    # (stock: a reshape of a slice of the flat parameter; a reshape before the
+    # barrier, which copied out f32[300,100], would let the compiler reshape
+    # the whole flat parameter)
+    self.assertRegex(made[weight],
+                     r'reshape\(f32\[30000\]\S* %get-tuple-element')
+    copied = re.search(r'(%get-tuple-element\S*)\)', made[weight]).group(1)
+    barrier = re.search(r'get-tuple-element\(\((.*)\) %opt-barrier',
+                        made.get(copied, ''))
+    self.assertIsNotNone(barrier, hlo)
+    # all the unit's parameters, as 1-D ranges
+    self.assertNotRegex(barrier.group(1), r'\[\d+,')
+
+  def test_copied_out_for_forward(self):
+    self.assert_reshaped_from_a_range_behind_a_barrier(
+        weight_hlo(wrap(make_net()), 'forward'))
+
+  def test_copied_out_again_for_backward(self):
+    self.assert_reshaped_from_a_range_behind_a_barrier(
+        weight_hlo(wrap(make_net()), 'backward'))
 
 
 class TestUseOfAFreedParameter(test_utils.XlaTestCase):

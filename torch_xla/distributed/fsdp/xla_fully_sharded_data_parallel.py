@@ -36,7 +36,8 @@ import torch_xla
 from torch_xla import runtime as xr
 import torch_xla.core.xla_model as xm
 
-from .xla_flatten_params_wrapper import FlatParameter, XlaFlattenParamsWrapper
+from .xla_flatten_params_wrapper import (FlatParameter, XlaFlattenParamsWrapper,
+                                         _split_tensor)
 from .utils import (
     BucketizedReduceScatter,
     DummyReduceScatter,
@@ -164,8 +165,8 @@ class XlaFullyShardedDataParallel(nn.Module):
           Memory then grows with depth as for ``flatten_parameters=False``; a
           module still holds all its gradients (and their concatenation) at a
           time, where unflattened parameters' gradients are reduce-scattered
-          one by one, and its forward copies all its parameters out of the
-          gathered flat parameter at once. The original parameters hold data
+          one by one, and each gather copies all its parameters out of the
+          gathered flat parameter at once (with optimization barriers). The original parameters hold data
           only while the flat parameter is gathered (in this module's
           forward and backward; with ``reshard_after_forward=False``, from
           its forward to its backward). Used while freed, by a submodule
@@ -192,12 +193,15 @@ class XlaFullyShardedDataParallel(nn.Module):
           that each forward copies out of the gathered flat parameter, so
           that, on backends that keep optimization barriers when scheduling
           (not XLA:CPU's default pipeline), no computation after it reads
-          the gathered flat parameter.
+          the gathered flat parameter, and the compiler converts or
+          reshapes each parameter alone, not the whole flat parameter.
       optimization_barrier_in_backward (bool, Optional):
           if ``True``, apply `xm.optimization_barrier_` on the FSDP module's
           backward incoming gradients. This avoids XLA fusion with other
           backward pass computation outside the FSDP module and could save
-          additional memory.
+          additional memory. With ``flatten_parameters=True``, also on the
+          original parameters copied out of the flat parameter gathered for
+          backward, as in forward.
       sync_on_finalization (bool, Optional):
           if ``True``, call `torch_xla.sync()` upon finalizing gradients in the
           root FSDP module. Here in `torch_xla.sync()` is only called once for
@@ -836,9 +840,9 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     for p in self.full_params:
       if isinstance(p, FlatParameter):
-        p._unflattened_params = _UnflattenedParams(
-            p, self._dummy_data_placeholder, self.optimization_barrier_op
-            if self.optimization_barrier_in_forward else None, self)
+        p._unflattened_params = _UnflattenedParams(p,
+                                                   self._dummy_data_placeholder,
+                                                   self)
     if self.flatten_parameters:
       # replace the views set at flattening time, which hold the full data
       self._fsdp_wrapped_module._unflatten_params_as_views()
@@ -1934,15 +1938,15 @@ class _UnflattenedParams:
 
   Bound: after a module's forward, and again after its backward, nothing
   computed from its gathered flat parameter is live except through these
-  tensors, which FSDP frees. With ``optimization_barrier_in_forward``, forward
-  copies them out of the flat parameter behind a barrier, so nothing that XLA
-  fuses or recomputes later can read the gathered flat parameter itself
-  where the compiler keeps the barrier through scheduling (TPU; not the
-  default pipeline of XLA:CPU, which removes barriers before it).
+  tensors, which FSDP frees. With optimization barriers, each gather copies
+  them out of the flat parameter behind a barrier, so nothing that XLA fuses
+  or recomputes later can read the gathered flat parameter itself where the
+  compiler keeps the barrier through scheduling (TPU, XLA:GPU; not the
+  default pipeline of XLA:CPU, which removes barriers before it): see
+  [Note: Copying out the original parameters].
   """
 
   def __init__(self, flat_param: FlatParameter, placeholder: torch.Tensor,
-               optimization_barrier_op: Optional[Callable],
                unit: "XlaFullyShardedDataParallel"):
     self._flat_param = flat_param
     # A tensor taken from a submodule in forward and used after it (e.g. by
@@ -1950,7 +1954,12 @@ class _UnflattenedParams:
     # such a use show, where the zeros of the unit's placeholder would give
     # a plausible number (e.g. 0 for a weight's norm).
     self._placeholder = torch.full_like(placeholder, float("nan"))
-    self._optimization_barrier_op = optimization_barrier_op
+    # (see [Note: Copying out the original parameters])
+    self._barrier_in_forward = self._barrier_in_backward = None
+    if unit.optimization_barrier_in_forward:
+      self._barrier_in_forward = unit.optimization_barrier_op
+    if unit.optimization_barrier_in_backward:
+      self._barrier_in_backward = unit.optimization_barrier_op
     self._holding: List[List[weakref.ref]] = []
     self._freed: List[List[weakref.ref]] = []
     # What the submodules hold while the flat parameter is freed: any use of
@@ -1970,14 +1979,8 @@ class _UnflattenedParams:
     p = self._flat_param
     if not p._has_full_param:
       return self._freed_params
-    params = self._latest = _UnflattenFlatParameter.apply(p)
-    if self._optimization_barrier_op is not None:
-      # Each parameter is then a buffer of its own, copied out once the flat
-      # parameter is gathered: whatever XLA fuses or recomputes later (a bias
-      # read again in backward by the recompute of an activation, say) reads
-      # these, and the gathered flat parameter is freed once they are made.
-      # A slice fused into such a consumer would keep all of it alive.
-      self._optimization_barrier_op(list(params))
+    params = self._latest = _UnflattenFlatParameter.apply(
+        p, self._barrier_in_forward)
     # (what no one holds any more needs no freeing)
     self._holding = [refs for refs in self._holding if _any_alive(refs)]
     self._holding.append([weakref.ref(t) for t in params])
@@ -2021,7 +2024,7 @@ class _UnflattenedParams:
       if all(t is None for t in tensors):
         continue  # (died since freed: no slices for them)
       if slices is None:
-        slices = list(self._flat_param.get_param_views())
+        slices = _copy_out(self._flat_param, self._barrier_in_backward)
       for t, data in zip(tensors, slices):
         if t is not None:
           _swap_data(t, data)
@@ -2137,23 +2140,63 @@ class _UnflattenFlatParameter(torch.autograd.Function):
   """
 
   @staticmethod
-  def forward(ctx, flat_param: FlatParameter) -> Tuple[torch.Tensor, ...]:
+  def forward(
+      ctx, flat_param: FlatParameter,
+      optimization_barrier_op: Optional[Callable]) -> Tuple[torch.Tensor, ...]:
     ctx.set_materialize_grads(False)
     ctx.numels = flat_param._param_numels
-    # A clone gives each parameter a tensor of its own, whose data can be
-    # swapped (see `_UnflattenedParams.make`).
-    return tuple(t.clone() for t in flat_param.get_param_views())
+    return tuple(_copy_out(flat_param, optimization_barrier_op))
 
   @staticmethod
   def backward(ctx, *grads: Optional[torch.Tensor]):
     some_grad = next((g for g in grads if g is not None), None)
     if some_grad is None:
-      return None
+      return None, None
     flat_grad = torch.cat([
         g.reshape(-1) if g is not None else some_grad.new_zeros(numel)
         for g, numel in zip(grads, ctx.numels)
     ])
-    return flat_grad
+    return flat_grad, None
+
+
+def _copy_out(
+    flat_param: FlatParameter,
+    optimization_barrier_op: Optional[Callable]) -> List[torch.Tensor]:
+  """The original parameters' data, copied out of the flat parameter's full
+  data: tensors of their own, whose data FSDP can swap."""
+  # [Note: Copying out the original parameters]
+  # Each time a flat parameter is gathered (for forward, and again for
+  # backward), its original parameters are copied out of it as 1-D ranges
+  # behind one optimization barrier, and only then given their shapes:
+  # - Behind the barrier, each is a buffer of its own: whatever the compiler
+  #   fuses or recomputes later (a bias read again in backward by the
+  #   recompute of an activation, say) reads it, and the gathered flat
+  #   parameter is dead once they are made. A slice fused into such a
+  #   consumer would keep all of it alive.
+  # - Views of the flat parameter let the compiler rewrite a use of each into
+  #   a use of all of it: TPU compilers convert the whole gathered unit to
+  #   bfloat16 once for dots at default precision (half a unit beside it),
+  #   and the algebraic simplifier turns the reshape of a slice into a slice
+  #   of the whole flat parameter reshaped (for a [32, 16] parameter,
+  #   [N, 16], which the TPU's (8, 128) tiles pad 8 times). Reshaped behind
+  #   the barrier, a parameter is converted and reshaped alone, as with
+  #   flatten_parameters=False.
+  # The cost: as the copies are made, the gathered flat parameter and the
+  # copies are live together (two units), in backward too. On XLA:CPU, which
+  # removes barriers before scheduling, and without barriers, the clones are
+  # no copies: the compiler slices as it likes.
+  ranges = [
+      t.clone()
+      for t in _split_tensor(flat_param.detach(), flat_param._param_numels)
+  ]
+  if optimization_barrier_op is not None:
+    optimization_barrier_op(ranges)
+  # (clones, not views: under functionalization FSDP cannot swap a view's
+  # data)
+  return [
+      t.view(shape).clone()
+      for t, shape in zip(ranges, flat_param._param_shapes)
+  ]
 
 
 def _swap_data(t: torch.Tensor, data: torch.Tensor) -> None:
