@@ -117,11 +117,10 @@ def _size(name: str) -> fsdp_real_models.Size:
 def build_transformer(name: str):
   """(module returning the language-modelling loss, input ids, layer
   classes to wrap as FSDP units) of a transformers model, random weights."""
-  if name == T5_4_HEADS:
-    return fsdp_real_models.t5(size=_size(name))
-  if name not in TRANSFORMERS:
+  builder = 't5' if name == T5_4_HEADS else name
+  if builder not in TRANSFORMERS:
     raise ValueError(f'unknown model {name!r}: {", ".join(TRANSFORMERS)}')
-  return getattr(fsdp_real_models, name)(size=LARGE)
+  return getattr(fsdp_real_models, builder)(size=_size(name))
 
 
 def _trace_worker(index: int, model_name: str, layers: int,

@@ -166,10 +166,11 @@ class XlaFullyShardedDataParallel(nn.Module):
           module still holds all its gradients (and their concatenation) at a
           time, where unflattened parameters' gradients are reduce-scattered
           one by one, and each gather copies all its parameters out of the
-          gathered flat parameter at once (with optimization barriers). The original parameters hold data
-          only while the flat parameter is gathered (in this module's
-          forward and backward; with ``reshard_after_forward=False``, from
-          its forward to its backward). Used while freed, by a submodule
+          gathered flat parameter at once (with optimization barriers). The
+          original parameters hold data only while the flat parameter is
+          gathered (in this module's forward and backward; with
+          ``reshard_after_forward=False``, from its forward to its
+          backward). Used while freed, by a submodule
           called outside this module's forward (one that another FSDP unit
           shares, or a probe between steps) or read by attribute (weights
           tied by hand across units, a regularizer over the parameters),
