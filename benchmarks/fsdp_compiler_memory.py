@@ -21,6 +21,7 @@ step: argument + output + temp - alias bytes
 
   python benchmarks/fsdp_compiler_memory.py --layers 2 4
   python benchmarks/fsdp_compiler_memory.py --targets tpu-v5e gpu-a100 --json out.json
+  python benchmarks/fsdp_compiler_memory.py --unpinned --layers 2 4 8
 
 Needs ``jax[tpu]==0.10.2`` for the TPU targets and ``jax-cuda12-plugin==0.10.2
 jax-cuda12-pjrt==0.10.2`` for the GPU ones (no NVIDIA libraries needed).
@@ -123,8 +124,8 @@ def build_transformer(name: str):
   return getattr(fsdp_real_models, builder)(size=_size(name))
 
 
-def _trace_worker(index: int, model_name: str, layers: int,
-                  flatten: bool) -> None:
+def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
+                  pin_layout: bool) -> None:
   """One device's training step (``torch_xla.launch``): the report model
   (SGD, batch 64) or a transformers model (AdamW)."""
   sys.path.insert(0, os.path.join(_REPO, 'test'))
@@ -134,7 +135,10 @@ def _trace_worker(index: int, model_name: str, layers: int,
   import fsdp_memory_utils as mu
   device = torch_xla.device()
   if model_name == 'report':
-    model = mu.wrap_report_model(layers, flatten_parameters=flatten)
+    model = mu.wrap_report_model(
+        layers,
+        flatten_parameters=flatten,
+        pin_layout_in_collective_ops=pin_layout)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def loss():
@@ -151,7 +155,8 @@ def _trace_worker(index: int, model_name: str, layers: int,
         module,
         auto_wrap_policy=functools.partial(
             transformer_auto_wrap_policy, transformer_layer_cls=classes),
-        flatten_parameters=flatten)
+        flatten_parameters=flatten,
+        pin_layout_in_collective_ops=pin_layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = ids.to(device)
 
@@ -178,9 +183,11 @@ def _trace_worker(index: int, model_name: str, layers: int,
   torch_xla.sync()
 
 
-def _trace_main(model_name: str, layers: int, flatten: bool) -> None:
+def _trace_main(model_name: str, layers: int, flatten: bool,
+                pin_layout: bool) -> None:
   import torch_xla
-  torch_xla.launch(_trace_worker, args=(model_name, layers, flatten))
+  torch_xla.launch(
+      _trace_worker, args=(model_name, layers, flatten, pin_layout))
 
 
 # A module is complete when its ENTRY computation (the last) has ended.
@@ -232,7 +239,8 @@ def trace(stock: Optional[bool],
           out_dir: Optional[str] = None,
           timeout: float = 600.0,
           world_size: int = WORLD_SIZE,
-          model: str = 'report') -> str:
+          model: str = 'report',
+          pin_layout: bool = True) -> str:
   """Path of the step module's HLO text (``before_optimizations``) for one
   variant, traced at ``world_size`` (8: with real collectives; 1: the
   configuration of pytorch/xla#5464). ``model``: 'report' (``layers``
@@ -240,7 +248,9 @@ def trace(stock: Optional[bool],
   unused).
 
   ``stock``: stock torch_xla's FSDP, or this checkout's fixed one; None
-  follows ``TORCH_XLA_FSDP_OVERLAY`` (``stock_by_default``). Traces are kept
+  follows ``TORCH_XLA_FSDP_OVERLAY`` (``stock_by_default``).
+  ``pin_layout``: FSDP's ``pin_layout_in_collective_ops`` (False: real
+  all-gathers, see ``parse_args``' --unpinned). Traces are kept
   in ``out_dir`` (default ``cache_dir()``) under a name that changes with
   the FSDP files traced.
   """
@@ -264,7 +274,8 @@ def trace(stock: Optional[bool],
   if model != 'report':
     layers = _size(model).layers
   name = (f"{model}-w{world_size}-l{layers}-{'stock' if stock else 'fixed'}-"
-          f"{'T' if flatten else 'F'}-{digest.hexdigest()[:12]}.hlo.txt")
+          f"{'T' if flatten else 'F'}{'' if pin_layout else '-unpinned'}-"
+          f'{digest.hexdigest()[:12]}.hlo.txt')
   out_dir = out_dir or cache_dir()
   out = os.path.join(out_dir, name)
   # (a trace kept from before the buffer names were written is made again)
@@ -273,7 +284,7 @@ def trace(stock: Optional[bool],
   os.makedirs(out_dir, exist_ok=True)
   what = (f"{model} model, {layers} layers, {'stock' if stock else 'fixed'} "
           f"flatten={flatten}")
-  what += f', world size {world_size}'
+  what += f"{'' if pin_layout else ', unpinned'}, world size {world_size}"
   progress(f'trace: {what} ...')
   start = time.time()
   dump_dir = tempfile.mkdtemp(prefix='fsdp_trace_dump_')
@@ -294,7 +305,8 @@ def trace(stock: Optional[bool],
       sys.executable,
       os.path.abspath(__file__), '_trace', '--model', model, '--layers',
       str(layers), '--flatten',
-      str(int(flatten))
+      str(int(flatten)), '--pin-layout',
+      str(int(pin_layout))
   ],
                           env=env,
                           stdout=subprocess.DEVNULL,
@@ -603,8 +615,9 @@ def main(argv=None) -> None:
     p.add_argument('--model')
     p.add_argument('--layers', type=int)
     p.add_argument('--flatten', type=int)
+    p.add_argument('--pin-layout', type=int)
     a = p.parse_args(argv[1:])
-    _trace_main(a.model, a.layers, bool(a.flatten))
+    _trace_main(a.model, a.layers, bool(a.flatten), bool(a.pin_layout))
     return
   if argv and argv[0] == '_compile':
     p = argparse.ArgumentParser()
@@ -616,7 +629,7 @@ def main(argv=None) -> None:
     return
   args = parse_args(argv)
   results = measure(args.layers, args.targets, args.out_dir, args.world_size,
-                    args.models, args.dump_to)
+                    args.models, args.dump_to, not args.unpinned)
   print_table(results, args.targets, args.world_size)
   if args.json:
     with open(args.json, 'w') as f:
@@ -668,6 +681,12 @@ def parse_args(argv):
       metavar='DIR',
       help="the compilers' dumps, DIR/TARGET/STEP MODULE/: buffer "
       'assignment (and on TPU a memory-usage report) of each step')
+  parser.add_argument(
+      '--unpinned',
+      action='store_true',
+      help='every variant with pin_layout_in_collective_ops=False: real '
+      'all-gathers (pinned, torch_xla gathers with an all-reduce of the '
+      'zero-padded full-size buffer)')
   parser.add_argument('--json', help='write the results there')
   args = parser.parse_args(argv)
   if min(args.layers) < 1:
@@ -703,7 +722,8 @@ def measure(layers: List[int],
             out_dir: Optional[str] = None,
             world_size: int = WORLD_SIZE,
             models=('report',),
-            dump_to: Optional[str] = None) -> List[dict]:
+            dump_to: Optional[str] = None,
+            pin_layout: bool = True) -> List[dict]:
   """Compile every variant of each model (the report model at each depth)
   for each target; one dict of memory stats per compile (with the folder of
   the compiler's dumps, ``dump_dir``, under ``dump_to``)."""
@@ -712,7 +732,13 @@ def measure(layers: List[int],
     for n in (layers if model == 'report' else [LARGE.layers]):
       for variant, (stock, flatten) in VARIANTS.items():
         hlo = trace(
-            stock, flatten, n, out_dir, world_size=world_size, model=model)
+            stock,
+            flatten,
+            n,
+            out_dir,
+            world_size=world_size,
+            model=model,
+            pin_layout=pin_layout)
         with open(hlo) as f:
           gathered = largest_gather_bytes(f.read())
         for target in targets:
@@ -726,6 +752,7 @@ def measure(layers: List[int],
                   model=model,
                   variant=variant,
                   layers=n,
+                  pin_layout=pin_layout,
                   hlo=hlo,
                   dump_dir=dump_dir,
                   largest_gather_bytes=gathered))
@@ -763,10 +790,12 @@ def print_table(results: List[dict],
   find = {
       (r['model'], r['layers'], r['target'], r['variant']): r for r in results
   }
+  pinned = all(r['pin_layout'] for r in results)
   print(f'\nWorld size {world_size}'
-        f"{', real collectives' if world_size > 1 else ''}; MB = argument + "
-        'output + temp - alias;\nunits = (fixed T - F) / the largest flat '
-        'parameter the fixed step gathers (unit MB)')
+        f"{', real collectives' if world_size > 1 else ''}"
+        f"{'' if pinned else ', pin_layout_in_collective_ops=False'}; "
+        'MB = argument + output + temp - alias;\nunits = (fixed T - F) / '
+        'the largest flat parameter the fixed step gathers (unit MB)')
   cols = [('model', 7), ('layers', 6), ('target', 9), ('F', 8), ('stock T', 8),
           ('fixed T', 8), ('fixed/F', 7), ('unit MB', 7), ('units', 6)]
   print('  '.join(f'{c:>{w}}' for c, w in cols))
