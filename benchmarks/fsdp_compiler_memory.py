@@ -615,7 +615,7 @@ def main(argv=None) -> None:
     p.add_argument('--model')
     p.add_argument('--layers', type=int)
     p.add_argument('--flatten', type=int)
-    p.add_argument('--pin-layout', type=int)
+    p.add_argument('--pin-layout', type=int, default=1)
     a = p.parse_args(argv[1:])
     _trace_main(a.model, a.layers, bool(a.flatten), bool(a.pin_layout))
     return
@@ -628,8 +628,14 @@ def main(argv=None) -> None:
     _compile_main(a.target, a.hlo, a.dump_to)
     return
   args = parse_args(argv)
-  results = measure(args.layers, args.targets, args.out_dir, args.world_size,
-                    args.models, args.dump_to, not args.unpinned)
+  results = measure(
+      args.layers,
+      args.targets,
+      args.out_dir,
+      args.world_size,
+      args.models,
+      args.dump_to,
+      pin_layout=not args.unpinned)
   print_table(results, args.targets, args.world_size)
   if args.json:
     with open(args.json, 'w') as f:
@@ -790,7 +796,7 @@ def print_table(results: List[dict],
   find = {
       (r['model'], r['layers'], r['target'], r['variant']): r for r in results
   }
-  pinned = all(r['pin_layout'] for r in results)
+  pinned = all(r.get('pin_layout', True) for r in results)
   print(f'\nWorld size {world_size}'
         f"{', real collectives' if world_size > 1 else ''}"
         f"{'' if pinned else ', pin_layout_in_collective_ops=False'}; "

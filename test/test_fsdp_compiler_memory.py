@@ -57,8 +57,10 @@ STOCK_MIN_GROWTH = 5.0
 FIXED_MAX_GROWTH = 1.5
 TPU_TARGET = 'tpu-v5e'
 GPU_TARGET = 'gpu-h100'
-# where the fixed version keeps the bound with real all-gathers (unpinned)
+# where the fixed version keeps the bound with real all-gathers (unpinned),
+# growing per layer within 5% of F
 UNPINNED_GPU_TARGET = 'gpu-a100'
+UNPINNED_MAX_GROWTH = 1.05
 WORLD_SIZE = cm.WORLD_SIZE
 # one rank's shard of a Layer's flat parameter (13107200 elements, a
 # multiple of the world size times 128: no padding)
@@ -116,6 +118,40 @@ def compiled(target, variant, layers, pin_layout=True):
   return cm.compile_hlo(step_module(variant, layers, pin_layout), target)
 
 
+def units_above_unflattened(target, model, layers, pin_layout=True):
+  """(fixed T - F) / the largest flat parameter the fixed step gathers, of
+  ``model`` ('report' or ``cm.T5_4_HEADS``) at ``layers`` on ``target``, and
+  a message with the figures."""
+
+  def traced(variant):
+    if model == 'report':
+      return step_module(variant, layers, pin_layout)
+    flatten = cm.VARIANTS[variant][1]
+    return cm.trace(
+        None,
+        flatten,
+        layers,
+        _OUT_DIR,
+        timeout=300,
+        model=model,
+        pin_layout=pin_layout)
+
+  def total_bytes(variant):
+    if model == 'report':  # (compiled once for the whole file)
+      return compiled(target, variant, layers, pin_layout)['total_bytes']
+    return cm.compile_hlo(hlo[variant], target)['total_bytes']
+
+  hlo = {v: traced(v) for v in ('F', 'fixed T')}
+  f, fixed = total_bytes('F'), total_bytes('fixed T')
+  with open(hlo['fixed T']) as text:
+    unit = cm.largest_gather_bytes(text.read())
+  return (fixed - f) / unit, (
+      f"{model}, {layers} layers, {target}{'' if pin_layout else ', unpinned'}"
+      f': flatten_parameters=False {f / 1e6:.1f} MB, fixed '
+      f'flatten_parameters=True {fixed / 1e6:.1f} MB, a unit {unit / 1e6:.1f} '
+      'MB')
+
+
 def output_shapes(hlo_path):
   """The step's outputs (the ENTRY computation's result), layouts dropped."""
   with open(hlo_path) as f:
@@ -171,31 +207,6 @@ class CompilerMemoryTest:
 class TpuCompilerMemoryTest(CompilerMemoryTest, unittest.TestCase):
   target = TPU_TARGET
 
-  def units_above_unflattened(self, model, layers):
-    """(fixed T - F) / the largest flat parameter the fixed step gathers, of
-    ``model`` ('report' or ``cm.T5_4_HEADS``) at ``layers``, and a message
-    with the figures."""
-
-    def traced(variant):
-      if model == 'report':
-        return step_module(variant, layers)
-      flatten = cm.VARIANTS[variant][1]
-      return cm.trace(None, flatten, layers, _OUT_DIR, timeout=300, model=model)
-
-    def total_bytes(variant):
-      if model == 'report':  # (compiled once for the whole file)
-        return compiled(self.target, variant, layers)['total_bytes']
-      return cm.compile_hlo(hlo[variant], self.target)['total_bytes']
-
-    hlo = {v: traced(v) for v in ('F', 'fixed T')}
-    f, fixed = total_bytes('F'), total_bytes('fixed T')
-    with open(hlo['fixed T']) as text:
-      unit = cm.largest_gather_bytes(text.read())
-    return (fixed - f) / unit, (
-        f'{model}, {layers} layers, {self.target}: flatten_parameters=False '
-        f'{f / 1e6:.1f} MB, fixed flatten_parameters=True {fixed / 1e6:.1f} '
-        f'MB, a unit {unit / 1e6:.1f} MB')
-
   def test_fixed_flatten_within_one_unit_of_unflattened(self):
     # Gathered as one flat parameter, a unit costs at most itself above
     # gathering its parameters one by one. (Before: a bfloat16 copy of the
@@ -203,13 +214,13 @@ class TpuCompilerMemoryTest(CompilerMemoryTest, unittest.TestCase):
     # 1.44 units.)
     for layers in LAYERS:
       with self.subTest(layers=layers):
-        units, figures = self.units_above_unflattened('report', layers)
+        units, figures = units_above_unflattened(self.target, 'report', layers)
         self.assertLessEqual(units, 1.0, figures)
 
   def test_parameter_with_four_columns_not_padded_with_its_unit(self):
     if importlib.util.find_spec('transformers') is None:
       self.skipTest('needs transformers: pip install -e ".[models]"')
-    units, figures = self.units_above_unflattened(cm.T5_4_HEADS, 2)
+    units, figures = units_above_unflattened(self.target, cm.T5_4_HEADS, 2)
     # Before: the whole flat parameter of the decoder block reshaped to
     # [N, 4] to take out the [32, 4] relative attention bias, 32 times its
     # size in (8, 128) tiles: 33.0 units above. (Now 2.2: the compiler's
@@ -237,34 +248,28 @@ class GpuUnpinnedCompilerMemoryTest(unittest.TestCase):
     if why:
       raise unittest.SkipTest(f'{cls.target}: {why}')
 
-  def total_bytes(self, variant, layers):
-    return compiled(self.target, variant, layers, False)['total_bytes']
-
   def test_fixed_flatten_grows_like_unflattened(self):
     lo, hi = min(LAYERS), max(LAYERS)
-    f, fixed = ((self.total_bytes(v, hi) - self.total_bytes(v, lo)) / (hi - lo)
+    f, fixed = ((compiled(self.target, v, hi, False)['total_bytes'] -
+                 compiled(self.target, v, lo, False)['total_bytes']) / (hi - lo)
                 for v in ('F', 'fixed T'))
+    growth = (f'{self.target}, unpinned, per layer: flatten_parameters=False '
+              f'{f / 1e6:.1f} MB, fixed flatten_parameters=True '
+              f'{fixed / 1e6:.1f} MB')
+    self.assertGreater(f, 0, growth)
     # Before each gather for backward copied its parameters out, they were
     # views of the re-gathered flat parameter, which kept it alive among the
-    # unit's gradients: 1.35x F's growth per layer.
-    self.assertLessEqual(
-        fixed, 1.05 * f, f'{self.target}, unpinned, per layer: '
-        f'flatten_parameters=False {f / 1e6:.1f} MB, fixed '
-        f'flatten_parameters=True {fixed / 1e6:.1f} MB')
+    # unit's gradients: 1.35x F's growth per layer (now 0.99x).
+    self.assertLessEqual(fixed, UNPINNED_MAX_GROWTH * f, growth)
 
   def test_fixed_flatten_within_one_unit_of_unflattened(self):
-    # (Before: 0.87 and 1.11 units.)
+    # (Before the copies for backward: 0.87 and 1.11 units; now 0.75 and
+    # 0.74.)
     for layers in LAYERS:
       with self.subTest(layers=layers):
-        f = self.total_bytes('F', layers)
-        fixed = self.total_bytes('fixed T', layers)
-        with open(step_module('fixed T', layers, False)) as text:
-          unit = cm.largest_gather_bytes(text.read())
-        self.assertLessEqual(
-            fixed - f, unit, f'{layers} layers, {self.target}, unpinned: '
-            f'flatten_parameters=False {f / 1e6:.1f} MB, fixed '
-            f'flatten_parameters=True {fixed / 1e6:.1f} MB, a unit '
-            f'{unit / 1e6:.1f} MB')
+        units, figures = units_above_unflattened(
+            self.target, 'report', layers, pin_layout=False)
+        self.assertLessEqual(units, 1.0, figures)
 
 
 class StepOutputsTest(unittest.TestCase):
