@@ -161,9 +161,16 @@ def output_shapes(hlo_path):
   return re.findall(r'[a-z]\w*\[[\d,]*\]', sig)
 
 
-class CompilerMemoryTest:
-  """Per-layer growth of each variant on one compiler (a mixin: the
-  subclasses name the target)."""
+def growth_per_layer(target, variant, pin_layout=True):
+  lo, hi = min(LAYERS), max(LAYERS)
+  return (compiled(target, variant, hi, pin_layout)['total_bytes'] -
+          compiled(target, variant, lo, pin_layout)['total_bytes']) / (
+              hi - lo)
+
+
+class OnCompiler:
+  """A mixin: the tests compile for ``target`` (named by the subclass), and
+  skip without its compiler."""
   target = None
 
   @classmethod
@@ -172,16 +179,14 @@ class CompilerMemoryTest:
     if why:
       raise unittest.SkipTest(f'{cls.target}: {why}')
 
-  def growth_per_layer(self, variant):
-    lo, hi = min(LAYERS), max(LAYERS)
-    return (compiled(self.target, variant, hi)['total_bytes'] -
-            compiled(self.target, variant, lo)['total_bytes']) / (
-                hi - lo)
+
+class CompilerMemoryTest(OnCompiler):
+  """Per-layer growth of each variant on one compiler (a mixin)."""
 
   def test_flatten_grows_like_unflattened(self):
-    f = self.growth_per_layer('F')
-    stock = self.growth_per_layer('stock T')
-    fixed = self.growth_per_layer('fixed T')
+    f = growth_per_layer(self.target, 'F')
+    stock = growth_per_layer(self.target, 'stock T')
+    fixed = growth_per_layer(self.target, 'fixed T')
     growth = (f'{self.target}, per layer: flatten_parameters=False '
               f'{f / 1e6:.1f} MB, stock flatten_parameters=True '
               f'{stock / 1e6:.1f} MB, fixed {fixed / 1e6:.1f} MB')
@@ -233,7 +238,7 @@ class GpuCompilerMemoryTest(CompilerMemoryTest, unittest.TestCase):
   target = GPU_TARGET
 
 
-class GpuUnpinnedCompilerMemoryTest(unittest.TestCase):
+class GpuUnpinnedCompilerMemoryTest(OnCompiler, unittest.TestCase):
   """XLA:GPU on A100 with real all-gathers: F and the fixed version with
   ``pin_layout_in_collective_ops=False``. (With the default, pinned, torch_xla
   gathers with an all-reduce of the zero-padded full-size buffer, which
@@ -242,17 +247,9 @@ class GpuUnpinnedCompilerMemoryTest(unittest.TestCase):
   parameter. A100 is then 0.92 and 1.22 units above F at 2 and 4 layers.)"""
   target = UNPINNED_GPU_TARGET
 
-  @classmethod
-  def setUpClass(cls):
-    why = cm.missing(cls.target)
-    if why:
-      raise unittest.SkipTest(f'{cls.target}: {why}')
-
   def test_fixed_flatten_grows_like_unflattened(self):
-    lo, hi = min(LAYERS), max(LAYERS)
-    f, fixed = ((compiled(self.target, v, hi, False)['total_bytes'] -
-                 compiled(self.target, v, lo, False)['total_bytes']) / (hi - lo)
-                for v in ('F', 'fixed T'))
+    f = growth_per_layer(self.target, 'F', pin_layout=False)
+    fixed = growth_per_layer(self.target, 'fixed T', pin_layout=False)
     growth = (f'{self.target}, unpinned, per layer: flatten_parameters=False '
               f'{f / 1e6:.1f} MB, fixed flatten_parameters=True '
               f'{fixed / 1e6:.1f} MB')
