@@ -109,6 +109,11 @@ TRANSFORMERS = ('llama', 'gpt2', 't5', 'bert', 'qwen2')
 # T5 with 4 heads, 2 layers: its relative attention bias is [32, 4] (for the
 # tests).
 T5_4_HEADS = 't5-4-heads'
+# The report model with a [32, 4] embedding in each Layer, T5's relative
+# attention bias with 4 heads (``fsdp_memory_utils.BiasedLayer``; for the
+# tests).
+REPORT_32X4 = 'report-32x4'
+REPORT_MODELS = ('report', REPORT_32X4)
 
 
 def _size(name: str) -> fsdp_real_models.Size:
@@ -134,9 +139,10 @@ def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
   import torch_xla
   import fsdp_memory_utils as mu
   device = torch_xla.device()
-  if model_name == 'report':
+  if model_name in REPORT_MODELS:
     model = mu.wrap_report_model(
         layers,
+        layer_cls=mu.BiasedLayer if model_name == REPORT_32X4 else mu.Layer,
         flatten_parameters=flatten,
         pin_layout_in_collective_ops=pin_layout)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -243,8 +249,8 @@ def trace(stock: Optional[bool],
           pin_layout: bool = True) -> str:
   """Path of the step module's HLO text (``before_optimizations``) for one
   variant, traced at ``world_size`` (8: with real collectives; 1: the
-  configuration of pytorch/xla#5464). ``model``: 'report' (``layers``
-  deep) or one of ``TRANSFORMERS`` (``LARGE.layers`` deep; ``layers``
+  configuration of pytorch/xla#5464). ``model``: one of ``REPORT_MODELS``
+  (``layers`` deep) or of ``TRANSFORMERS`` (``LARGE.layers`` deep; ``layers``
   unused).
 
   ``stock``: stock torch_xla's FSDP, or this checkout's fixed one; None
@@ -271,7 +277,7 @@ def trace(stock: Optional[bool],
   ]:
     with open(path, 'rb') as f:
       digest.update(f.read())
-  if model != 'report':
+  if model not in REPORT_MODELS:
     layers = _size(model).layers
   name = (f"{model}-w{world_size}-l{layers}-{'stock' if stock else 'fixed'}-"
           f"{'T' if flatten else 'F'}{'' if pin_layout else '-unpinned'}-"
@@ -635,7 +641,8 @@ def main(argv=None) -> None:
       args.world_size,
       args.models,
       args.dump_to,
-      pin_layout=not args.unpinned)
+      pin_layout=not args.unpinned,
+      live=args.live)
   print_table(results, args.targets, args.world_size)
   if args.json:
     with open(args.json, 'w') as f:
@@ -651,9 +658,10 @@ def parse_args(argv):
       '--models',
       nargs='+',
       default=['report'],
-      choices=('report',) + TRANSFORMERS,
+      choices=REPORT_MODELS + TRANSFORMERS,
       metavar='MODEL',
-      help=f"report (the default) or of {', '.join(TRANSFORMERS)}: "
+      help=f"report (the default), {REPORT_32X4} (with a [32, 4] relative "
+      f"position bias in each Layer) or of {', '.join(TRANSFORMERS)}: "
       f'transformers at hidden {LARGE.hidden}, {LARGE.layers} layers, '
       f'{LARGE.heads} heads, vocabulary {LARGE.vocab}, batch {LARGE.batch} x '
       f'{LARGE.tokens}')
@@ -693,6 +701,11 @@ def parse_args(argv):
       help='every variant with pin_layout_in_collective_ops=False: real '
       'all-gathers (pinned, torch_xla gathers with an all-reduce of the '
       'zero-padded full-size buffer)')
+  parser.add_argument(
+      '--live',
+      action='store_true',
+      help='also what is resident at each compiler\'s peak (its buffer '
+      'assignment and live ranges): the live column, in units above F')
   parser.add_argument('--json', help='write the results there')
   args = parser.parse_args(argv)
   if min(args.layers) < 1:
@@ -729,13 +742,15 @@ def measure(layers: List[int],
             world_size: int = WORLD_SIZE,
             models=('report',),
             dump_to: Optional[str] = None,
-            pin_layout: bool = True) -> List[dict]:
+            pin_layout: bool = True,
+            live: bool = False) -> List[dict]:
   """Compile every variant of each model (the report model at each depth)
   for each target; one dict of memory stats per compile (with the folder of
-  the compiler's dumps, ``dump_dir``, under ``dump_to``)."""
+  the compiler's dumps, ``dump_dir``, under ``dump_to``). ``live``: also
+  ``live_bytes``, what is resident at the compiler's peak (``explain``)."""
   results = []
   for model in models:
-    for n in (layers if model == 'report' else [LARGE.layers]):
+    for n in (layers if model in REPORT_MODELS else [LARGE.layers]):
       for variant, (stock, flatten) in VARIANTS.items():
         hlo = trace(
             stock,
@@ -752,9 +767,19 @@ def measure(layers: List[int],
           dump_dir = dump_to and os.path.join(
               dump_to, target,
               os.path.basename(hlo)[:-len('.hlo.txt')])
+          # (XLA:GPU's dumps are large: kept only under dump_to)
+          scratch = (
+              tempfile.mkdtemp(prefix='fsdp_compiler_dump_')
+              if live and not dump_dir else None)
+          stats = compile_hlo(hlo, target, dump_to=dump_dir or scratch)
+          if live:
+            stats['live_bytes'] = explain(dump_dir or scratch,
+                                          names_path(hlo))['peak_bytes']
+          if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
           results.append(
               dict(
-                  compile_hlo(hlo, target, dump_to=dump_dir),
+                  stats,
                   model=model,
                   variant=variant,
                   layers=n,
@@ -802,8 +827,12 @@ def print_table(results: List[dict],
         f"{'' if pinned else ', pin_layout_in_collective_ops=False'}; "
         'MB = argument + output + temp - alias;\nunits = (fixed T - F) / '
         'the largest flat parameter the fixed step gathers (unit MB)')
-  cols = [('model', 7), ('layers', 6), ('target', 9), ('F', 8), ('stock T', 8),
+  live = all('live_bytes' in r for r in results)
+  if live:
+    print('live: units above F of what is resident at the compiler\'s peak')
+  cols = [('model', 11), ('layers', 6), ('target', 9), ('F', 8), ('stock T', 8),
           ('fixed T', 8), ('fixed/F', 7), ('unit MB', 7), ('units', 6)]
+  cols += [('live', 6)] if live else []
   print('  '.join(f'{c:>{w}}' for c, w in cols))
   configs = list(dict.fromkeys((r['model'], r['layers']) for r in results))
   for model, n in configs:
@@ -815,6 +844,10 @@ def print_table(results: List[dict],
           f'{fx / f:.2f}', f'{unit / MB:.1f}',
           f'{(fx - f) / unit:.2f}' if unit else '-'
       ]
+      if live:
+        f_live, fx_live = (
+            find[(model, n, target, v)]['live_bytes'] for v in ('F', 'fixed T'))
+        row.append(f'{(fx_live - f_live) / unit:.2f}' if unit else '-')
       print('  '.join(f'{v:>{w}}' for v, (_, w) in zip(row, cols)))
   depths = sorted(n for model, n in configs if model == 'report')
   if len(depths) > 1:

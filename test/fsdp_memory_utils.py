@@ -119,14 +119,34 @@ class Layer(nn.Module):
     return F.softmax(self.sb2(self.sb1(x)), dim=1)
 
 
+class BiasedLayer(Layer):
+  """A ``Layer`` with a ``[32, columns]`` embedding (the shape of T5's
+  ``relative_attention_bias``, ``columns`` heads), looked up by position
+  bucket and added, heads first as T5's ``compute_bias`` lays it out, to the
+  Layer's output."""
+
+  def __init__(self, hidden=HIDDEN, columns=4):
+    super().__init__(hidden)
+    if hidden % columns:
+      raise ValueError(
+          f'hidden {hidden} must be a multiple of columns {columns}')
+    self.relative_bias = nn.Embedding(32, columns)
+
+  def forward(self, x):
+    columns = self.relative_bias.embedding_dim
+    positions = torch.arange(x.shape[1] // columns, device=x.device)
+    bias = self.relative_bias(positions % 32).t().reshape(-1)
+    return super().forward(x) + bias
+
+
 class Net(nn.Module):
   """``Net`` from the report; ``num_layers=2`` is the report's model."""
 
-  def __init__(self, num_layers=2, hidden=HIDDEN):
+  def __init__(self, num_layers=2, hidden=HIDDEN, layer_cls=Layer):
     super().__init__()
     if num_layers < 1:
       raise ValueError(f'num_layers must be >= 1, got {num_layers}')
-    self.layers = nn.ModuleList([Layer(hidden) for _ in range(num_layers)])
+    self.layers = nn.ModuleList([layer_cls(hidden) for _ in range(num_layers)])
 
   def forward(self, x):
     for layer in self.layers:
@@ -135,19 +155,22 @@ class Net(nn.Module):
 
 
 def layer_numel(hidden=HIDDEN) -> int:
-  """Parameters of one ``Layer`` (one FSDP unit under the report's policy)."""
+  """Parameters of one ``Layer`` (one FSDP unit under the report's policy;
+  a ``BiasedLayer`` has 32 x columns more)."""
   return 8 * hidden * hidden
 
 
 def wrap_report_model(num_layers=2,
                       hidden=HIDDEN,
                       seed=0,
+                      layer_cls=Layer,
                       **fsdp_kwargs) -> FSDP:
-  """The report's model, one FSDP unit per ``Layer`` plus an empty root."""
+  """The report's model, one FSDP unit per ``Layer`` (``layer_cls``) plus an
+  empty root."""
   torch.manual_seed(seed)
-  model = Net(num_layers, hidden)
+  model = Net(num_layers, hidden, layer_cls)
   policy = functools.partial(
-      transformer_auto_wrap_policy, transformer_layer_cls={Layer})
+      transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
   return FSDP(model, auto_wrap_policy=policy, **fsdp_kwargs)
 
 
