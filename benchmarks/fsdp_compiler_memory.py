@@ -746,8 +746,9 @@ def measure(layers: List[int],
             live: bool = False) -> List[dict]:
   """Compile every variant of each model (the report model at each depth)
   for each target; one dict of memory stats per compile (with the folder of
-  the compiler's dumps, ``dump_dir``, under ``dump_to``). ``live``: also
-  ``live_bytes``, what is resident at the compiler's peak (``explain``)."""
+  the compiler's dumps, ``dump_dir``, under ``dump_to``). ``live``: also,
+  for F and fixed T, ``live_bytes``, what is resident at the compiler's peak
+  (``explain``)."""
   results = []
   for model in models:
     for n in (layers if model in REPORT_MODELS else [LARGE.layers]):
@@ -767,12 +768,13 @@ def measure(layers: List[int],
           dump_dir = dump_to and os.path.join(
               dump_to, target,
               os.path.basename(hlo)[:-len('.hlo.txt')])
+          explained = live and variant != 'stock T'
           # (XLA:GPU's dumps are large: kept only under dump_to)
           scratch = (
               tempfile.mkdtemp(prefix='fsdp_compiler_dump_')
-              if live and not dump_dir else None)
+              if explained and not dump_dir else None)
           stats = compile_hlo(hlo, target, dump_to=dump_dir or scratch)
-          if live:
+          if explained:
             stats['live_bytes'] = explain(dump_dir or scratch,
                                           names_path(hlo))['peak_bytes']
           if scratch:
@@ -827,7 +829,7 @@ def print_table(results: List[dict],
         f"{'' if pinned else ', pin_layout_in_collective_ops=False'}; "
         'MB = argument + output + temp - alias;\nunits = (fixed T - F) / '
         'the largest flat parameter the fixed step gathers (unit MB)')
-  live = all('live_bytes' in r for r in results)
+  live = all('live_bytes' in r for r in results if r['variant'] != 'stock T')
   if live:
     print('live: units above F of what is resident at the compiler\'s peak')
   cols = [('model', 11), ('layers', 6), ('target', 9), ('F', 8), ('stock T', 8),

@@ -271,8 +271,10 @@ class TestCopiedOutAlone(test_utils.XlaTestCase):
     barrier = re.search(r'get-tuple-element\(\((.*)\) %opt-barrier',
                         made.get(copied, ''))
     self.assertIsNotNone(barrier, hlo)
-    # all the unit's parameters, as 1-D ranges
+    # all the unit's parameters (fc1's and fc2's weights and biases), as 1-D
+    # ranges
     self.assertNotRegex(barrier.group(1), r'\[\d+,')
+    self.assertEqual(len(re.findall(r'f32\[\d+\]', barrier.group(1))), 4)
 
   def test_copied_out_for_forward(self):
     self.assert_reshaped_from_a_range_behind_a_barrier(

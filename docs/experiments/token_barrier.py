@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
-"""Compile a traced step as it would be if torch_xla took its ordering token
+"""Rewrite a traced step as it would be if torch_xla took its ordering token
 out of each pinned all-gather through an optimization barrier.
 
-torch_xla chains its collectives with a numeric token: each collective's
-input gets ``0 * token`` added, and the new token is a one-element part of the
-collective's result. A pinned all-gather is an all-reduce of ``(zero-padded
-shard, token)``; XLA:GPU makes its result one buffer, data and token, and
-schedules the token's one-element slice where the next collective reads it.
-For a unit gathered again for backward that is the unit's reduce-scatter, so
-the whole gathered unit stays allocated through the unit's backward. Here each
-such all-reduce's two results go through one ``opt-barrier`` that every use
-reads, which is what a barrier in torch_xla's ``TokenHandler`` would emit: the
-slice is then made at the gather.
+torch_xla chains its collectives with a numeric token, a zero added to each
+collective's input and renewed from its result. A pinned all-gather is an
+all-reduce of ``(zero-padded shard, token)`` whose second result is the new
+token; XLA:GPU makes the all-reduce's results one buffer, data and token, and
+slices the token out of it where the next collective reads it. For a unit
+gathered again for backward that is the unit's reduce-scatter, so the whole
+gathered unit stays allocated through the unit's backward. Here each such
+all-reduce's two results go through one ``opt-barrier`` that every use reads,
+which is what a barrier in torch_xla's pinned all-reduce lowering would emit:
+the slice is then made at the gather.
 
   python docs/experiments/token_barrier.py STEP.hlo.txt OUT.hlo.txt
 
@@ -32,11 +32,16 @@ _ELEMENT = re.compile(r'^\s+%(\S+) = \S+ get-tuple-element\('
 
 def with_token_barriers(hlo_text):
   lines = hlo_text.split('\n')
+  if '%tb' in hlo_text:
+    raise ValueError('the step already has instructions named %tb...')
   elements = {}  # all-reduce: {index: its get-tuple-element}
   for line in lines:
     m = _ELEMENT.match(line)
     if m:
-      elements.setdefault(m.group(2), {})[int(m.group(3))] = m.group(1)
+      index = elements.setdefault(m.group(2), {})
+      if int(m.group(3)) in index:
+        raise ValueError(f'{m.group(2)}: two get-tuple-elements of one result')
+      index[int(m.group(3))] = m.group(1)
   out, renamed = [], {}
   for line in lines:
     out.append(line)
