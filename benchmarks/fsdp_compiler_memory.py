@@ -773,10 +773,10 @@ def measure(layers: List[int],
           scratch = (
               tempfile.mkdtemp(prefix='fsdp_compiler_dump_')
               if explained and not dump_dir else None)
-          stats = compile_hlo(hlo, target, dump_to=dump_dir or scratch)
+          dumps = dump_dir or scratch
+          stats = compile_hlo(hlo, target, dump_to=dumps)
           if explained:
-            stats['live_bytes'] = explain(dump_dir or scratch,
-                                          names_path(hlo))['peak_bytes']
+            stats['live_bytes'] = explain(dumps, names_path(hlo))['peak_bytes']
           if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
           results.append(

@@ -135,7 +135,8 @@ class BiasedLayer(Layer):
   def forward(self, x):
     columns = self.relative_bias.embedding_dim
     positions = torch.arange(x.shape[1] // columns, device=x.device)
-    bias = self.relative_bias(positions % 32).t().reshape(-1)
+    buckets = positions % self.relative_bias.num_embeddings
+    bias = self.relative_bias(buckets).t().reshape(-1)
     return super().forward(x) + bias
 
 

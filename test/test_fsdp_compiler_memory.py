@@ -124,8 +124,8 @@ def step_module(variant, layers, pin_layout=True, model='report'):
 
 # (the compiles are shared by the tests of this file)
 @functools.lru_cache(maxsize=None)
-def compiled(target, variant, layers, pin_layout=True):
-  return cm.compile_hlo(step_module(variant, layers, pin_layout), target)
+def compiled(target, variant, layers, pin_layout=True, model='report'):
+  return cm.compile_hlo(step_module(variant, layers, pin_layout, model), target)
 
 
 def units_above_unflattened(target, model, layers, pin_layout=True):
@@ -133,14 +133,10 @@ def units_above_unflattened(target, model, layers, pin_layout=True):
   ``model`` ('report', ``cm.REPORT_32X4`` or ``cm.T5_4_HEADS``) at
   ``layers`` on ``target``, and a message with the figures."""
 
-  def total_bytes(variant):
-    if model == 'report':  # (compiled once for the whole file)
-      return compiled(target, variant, layers, pin_layout)['total_bytes']
-    return cm.compile_hlo(hlo[variant], target)['total_bytes']
-
-  hlo = {v: step_module(v, layers, pin_layout, model) for v in ('F', 'fixed T')}
-  f, fixed = total_bytes('F'), total_bytes('fixed T')
-  with open(hlo['fixed T']) as text:
+  f, fixed = (
+      compiled(target, v, layers, pin_layout, model)['total_bytes']
+      for v in ('F', 'fixed T'))
+  with open(step_module('fixed T', layers, pin_layout, model)) as text:
     unit = cm.largest_gather_bytes(text.read())
   return (fixed - f) / unit, (
       f"{model}, {layers} layers, {target}{'' if pin_layout else ', unpinned'}"
