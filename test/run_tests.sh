@@ -63,7 +63,8 @@ run_test test_fsdp_memory_measurement.py
 # The tests that go upstream, with and without functionalization.
 for test in test_fsdp_flatten_parity.py test_fsdp_flatten_freed_params.py \
   test_fsdp_coalesce_all_gathers.py test_fsdp_meta_init.py test_fsdp_input_checks.py \
-  test_fsdp_backward_regather.py test_fsdp_bucketed_reduce_scatter.py; do
+  test_fsdp_backward_regather.py test_fsdp_bucketed_reduce_scatter.py \
+  test_fsdp_flatten_predivide.py; do
   run_test "$test"
   run_test_without_functionalization "$test"
 done

@@ -2,16 +2,13 @@
 
 Issue #5464: the original parameters were views into the gathered flat
 parameter, which the submodules and autograd kept, with the data gathered
-for forward, until backward. Now they hold data only while their unit has
-its flat parameter gathered, and a use of one outside that time raises an
-error that names it, or (a tensor kept from forward) gives NaN. Each test
-names what stock did. Run with and without functionalization
-(``XLA_DISABLE_FUNCTIONALIZATION=1``).
+for forward, until backward. Now, like unflattened parameters, they hold
+data only while their unit has its flat parameter gathered; a use of one
+outside that time raises an error that names it. Each test names what stock did. Run with
+and without functionalization (``XLA_DISABLE_FUNCTIONALIZATION=1``).
 """
 
-import copy
 import functools
-import pickle
 import re
 import sys
 import unittest
@@ -128,8 +125,8 @@ def held_at_end_of_backward(model, units):
     for name, unit in units.items():
       flat = unit.full_params[0]
       if flat._has_full_param or any(
-          isinstance(getattr(m, n), torch.Tensor)
-          for _, m, n in flat._param_infos):
+          isinstance(getattr(m, n), torch.Tensor) and getattr(m, n).shape !=
+          (1,) for _, m, n in flat._param_infos):
         held.append(name)
     finalize()
 
@@ -177,25 +174,14 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
 
   def test_checkpointed_inside_freed_with_last_gradient_part(self):
     # Each recompute of a checkpointed submodule gives a part of its unit's
-    # gradient: the unit frees its gathered parameters with the last part,
-    # not at the end of backward, which would keep every unit's until then.
-    # (stock: views of the flat parameter kept its data to the end)
+    # gradient: the unit frees its gathered parameters once its backward is
+    # over, not at the end of backward, which would keep every unit's until
+    # then. (stock: views of the flat parameter kept its data to the end)
     for style in ('checkpoint_module', 'reentrant', 'non_reentrant'):
       with self.subTest(style=style):
         model = wrap(make_net(inner_checkpoint=style))
         units = {str(i): block for i, block in enumerate(model.blocks)}
         self.assertEqual(held_at_end_of_backward(model, units), [])
-
-  def test_shared_submodule_trains_without_resharding_after_forward(self):
-    # The remedy the error gives: with reshard_after_forward=False a unit
-    # keeps its parameters gathered from its forward to its backward.
-    losses = train_losses(
-        wrap(make_net(SharedWithRoot), reshard_after_forward=False))
-    torch.testing.assert_close(
-        losses,
-        train_losses(make_net(SharedWithRoot).to(torch_xla.device())),
-        rtol=1e-5,
-        atol=0)
 
   def test_outer_unit_freed_before_its_checkpointed_inner_units(self):
     # A checkpoint around an inner FSDP unit is no part of the outer unit's
@@ -312,20 +298,6 @@ class TestUseOfAFreedParameter(test_utils.XlaTestCase):
         "Block is used before the model's first forward"):
       model.blocks[1].fc2.weight.sum()
 
-  def test_tensor_kept_from_forward_is_nan_after_it(self):
-    # A tensor taken from a submodule inside its unit's forward (here by a
-    # forward hook) has no data after that forward: its use must not give a
-    # plausible number (with the unit's zero placeholder, 0 for a norm).
-    model = wrap(make_net())
-    kept = []
-    model.blocks[0].fc2.register_forward_hook(
-        lambda module, args, out: kept.append(module.weight))
-    x, _ = make_batch()
-    with torch.no_grad():
-      model(x)
-      norm = kept[0].pow(2).sum()
-    self.assertTrue(torch.isnan(norm).item())
-
   def test_submodule_shared_with_another_unit_raises(self):
     # (stock: the views of the unit's forward; FSDP does not gather the
     # parameters at a call that not every rank may make)
@@ -348,15 +320,16 @@ class TestUseOfAFreedParameter(test_utils.XlaTestCase):
         model.blocks[0].fc1(x)
     self.assertEqual(collectives['all_gather'], 0)
 
-  def test_deepcopy_raises(self):
-    # (stock: an error about tensors that are not graph leaves, the views;
-    # a copy would lose the unit's record of the tensors it frees)
-    with self.assertRaisesRegex(RuntimeError, 'cannot be copied'):
-      copy.deepcopy(wrap(make_net()))
-
-  def test_pickle_raises(self):
-    with self.assertRaisesRegex(RuntimeError, 'cannot be copied'):
-      pickle.dumps(wrap(make_net()))
+  def test_shared_submodule_trains_without_resharding_after_forward(self):
+    # The remedy the error gives: with reshard_after_forward=False a unit
+    # keeps its parameters gathered from its forward to its backward.
+    losses = train_losses(
+        wrap(make_net(SharedWithRoot), reshard_after_forward=False))
+    torch.testing.assert_close(
+        losses,
+        train_losses(make_net(SharedWithRoot).to(torch_xla.device())),
+        rtol=1e-5,
+        atol=0)
 
 
 if __name__ == '__main__':

@@ -2,7 +2,7 @@
 # ``fairscale.nn.FullyShardedDataParallel`` in
 # https://github.com/facebookresearch/fairscale/blob/main/fairscale/nn/data_parallel/fully_sharded_data_parallel.py
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 import contextlib
 from enum import Enum, auto
 import functools
@@ -153,36 +153,6 @@ class XlaFullyShardedDataParallel(nn.Module):
           original parameters in the wrapped module (e.g. setting bias terms or
           any BatchNorm submodules to have zero weight decay) since all the
           original parameters now become a single concatenated vector.
-          Memory: each forward gives the wrapped submodules the original
-          parameters as tensors of their own, not views into the flat
-          parameter, which FSDP frees after forward and re-gathers for
-          backward like unflattened full parameters; so the gathered
-          parameters are not outputs of the step graph, nor kept until
-          backward (with ``optimization_barrier_in_forward``: else a
-          computation that the compiler fuses with a slice of the gathered
-          flat parameter may keep it). Their gradients are concatenated
-          into the flat gradient, which is reduce-scattered as one tensor.
-          Memory then grows with depth as for ``flatten_parameters=False``; a
-          module still holds all its gradients (and their concatenation) at a
-          time, where unflattened parameters' gradients are reduce-scattered
-          one by one, and each gather copies all its parameters out of the
-          gathered flat parameter at once (with optimization barriers). The
-          original parameters hold data only while the flat parameter is
-          gathered (in this module's forward and backward; with
-          ``reshard_after_forward=False``, from its forward to its
-          backward). Used while freed, by a submodule
-          called outside this module's forward (one that another FSDP unit
-          shares, or a probe between steps) or read by attribute (weights
-          tied by hand across units, a regularizer over the parameters),
-          any use of one raises an error that names it; FSDP does not gather
-          it there, since ranks that do not make that call would not issue
-          the all-gather. Pass ``reshard_after_forward=False`` to this module
-          (a submodule called after its forward then reads the gathered
-          parameters), or call the submodule inside this module's forward,
-          or tie the weights inside one unit. A tensor taken from a
-          submodule in forward and used after it holds NaN once freed. Such
-          a module cannot be deep-copied or pickled (an error says what to
-          do instead).
       execute_sharding_on_init (bool, Optional):
           if ``True``, immediately execute the parameter sharding via
           `torch_xla.sync()` to free up the memory of the full parameters.
@@ -190,19 +160,11 @@ class XlaFullyShardedDataParallel(nn.Module):
           if ``True``, apply `xm.optimization_barrier_` on the FSDP module's
           inputs and outputs. This avoids XLA fusion with other forward pass
           computation outside the FSDP module and could save additional memory.
-          With ``flatten_parameters=True``, also on the original parameters
-          that each forward copies out of the gathered flat parameter, so
-          that, on backends that keep optimization barriers when scheduling
-          (not XLA:CPU's default pipeline), no computation after it reads
-          the gathered flat parameter, and the compiler converts or
-          reshapes each parameter alone, not the whole flat parameter.
       optimization_barrier_in_backward (bool, Optional):
           if ``True``, apply `xm.optimization_barrier_` on the FSDP module's
           backward incoming gradients. This avoids XLA fusion with other
           backward pass computation outside the FSDP module and could save
-          additional memory. With ``flatten_parameters=True``, also on the
-          original parameters copied out of the flat parameter gathered for
-          backward, as in forward.
+          additional memory.
       sync_on_finalization (bool, Optional):
           if ``True``, call `torch_xla.sync()` upon finalizing gradients in the
           root FSDP module. Here in `torch_xla.sync()` is only called once for
@@ -603,15 +565,10 @@ class XlaFullyShardedDataParallel(nn.Module):
     # Flag to guard against preparing gradients multiple times per iteration.
     # This is reset at the end of the backward pass.
     self._pre_backward_hook_has_run = False
-    # Whether the last forward was the recompute of activation checkpointing,
-    # and whether a recompute is of the whole wrapped module (see
-    # `_post_backward_hook`).
-    self._forward_in_chkpt_bwd = False
-    self._checkpointed_as_a_whole = hasattr(
-        self.module.module, "_xla_checkpointed_forward_original")
-    # Parts of the flat parameter's gradient expected in this backward (as
-    # counted in forward) and received (see `_count_grad_parts`).
-    self._grad_parts = Counter()
+    # (see [Note: Gradient parts of a flat parameter])
+    self._forward_with_grad = self._forward_in_chkpt_bwd = False
+    self._reentrant_regions = self._in_recompute = False
+    self._deferred_frees: List[XlaFullyShardedDataParallel] = []
     # (set by the root, see `_set_is_root`)
     self._name_in_model = ""
 
@@ -841,9 +798,9 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     for p in self.full_params:
       if isinstance(p, FlatParameter):
-        p._unflattened_params = _UnflattenedParams(p,
-                                                   self._dummy_data_placeholder,
-                                                   self)
+        p._unflattened_params = _UnflattenedParams(p, self)
+        for m in {id(m): m for _, m, _ in p._param_infos}.values():
+          m.register_forward_pre_hook(self._param_owner_pre_hook)
     if self.flatten_parameters:
       # replace the views set at flattening time, which hold the full data
       self._fsdp_wrapped_module._unflatten_params_as_views()
@@ -1025,16 +982,6 @@ class XlaFullyShardedDataParallel(nn.Module):
     return f"'{name}' ({type(self.module.module).__name__})" if name else (
         f"wrapping {type(self.module.module).__name__}")
 
-  def __getstate__(self) -> Dict[str, Any]:
-    if self.flatten_parameters:
-      raise RuntimeError(
-          "An FSDP module with flatten_parameters=True cannot be copied "
-          "(copy.deepcopy) or pickled. Save it with state_dict() and "
-          "get_shard_metadata() (see consolidate_sharded_model_checkpoints); "
-          "for a copy (e.g. for EMA), copy the module before wrapping it, or "
-          "wrap a new one and load_state_dict() into it.")
-    return super().__getstate__()
-
   def _setup_output_hook_and_backward_opt_barrier_lists(self) -> None:
     """
     Set up a list to avoid registering pre-backward hooks incorrectly.
@@ -1049,12 +996,14 @@ class XlaFullyShardedDataParallel(nn.Module):
         m._output_pre_backward_hook_registered = self._output_pre_backward_hook_registered
         m._backward_opt_barrier_tensors = self._backward_opt_barrier_tensors
         m._backward_opt_barrier_tensor_ids = self._backward_opt_barrier_tensor_ids
+        m._deferred_frees = self._deferred_frees
 
   def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
     self._lazy_init()
 
     # Start of a forward pass.
     self.training_state = TrainingState.FORWARD
+    self._forward_with_grad = torch.is_grad_enabled()
     self._forward_in_chkpt_bwd = chkpt_status.in_chkpt_bwd
 
     if self.compute_dtype != torch.float32:
@@ -1082,7 +1031,6 @@ class XlaFullyShardedDataParallel(nn.Module):
       # Run a dummy forward pass by summing the inputs and full parameter.
       # This can be used to debug FSDP parameter memory consumption.
       outputs = self._dummy_forward(*args, **kwargs)
-    self._count_grad_parts(outputs)
 
     # Allgather reduction optimization: if this forward is a recompute forward
     # in checkpoint, then we do not reshard here, so that the following backward
@@ -1118,57 +1066,6 @@ class XlaFullyShardedDataParallel(nn.Module):
     self.training_state = TrainingState.IDLE
 
     return outputs
-
-  def _count_grad_parts(self, outputs: Any) -> None:
-    """
-    Count the parts in which the flat parameter's gradient will come in
-    backward, so that ``_post_backward_hook`` frees it after the last one.
-    A reentrant activation checkpoint (torch_xla's ``checkpoint_module``,
-    ``torch.utils.checkpoint`` with ``use_reentrant=True``) of submodules
-    of this module reads the original parameters only in its recompute,
-    whose own backward gives one part of the gradient; the next recompute
-    still reads them. Autograd gives the rest of the gradient in one part
-    per backward (one in the model's, also for a module used twice; one in
-    each recompute's if the module itself is recomputed). Counting too many
-    parts only frees at the end of backward (`_finalize_parameters`).
-    """
-    flat = [p for p in self.full_params if isinstance(p, FlatParameter)]
-    if not (flat and flat[0].requires_grad and torch.is_grad_enabled()):
-      return
-    node = flat[0]._unflattened_params.grad_fn()
-    if node is None:
-      return
-    regions, reached = 0, False
-    todo = [t.grad_fn for t in collect_tensors(outputs)]
-    seen = set()
-    while todo:
-      f = todo.pop()
-      # (nodes made before this forward are not this module's: autograd
-      # numbers its nodes in the order made, and has no public API for it)
-      if f is None or f in seen or f._sequence_nr() < node._sequence_nr():
-        continue
-      seen.add(f)
-      reached = reached or f is node
-      # A checkpoint's node holds its function; an inner FSDP module has
-      # counted those of its own forward, and one checkpointed as a whole
-      # (whose recompute reads its own parameters) gives this module none.
-      run = getattr(f, "run_function", None)
-      if (run is not None and not getattr(f, "_fsdp_counted", False) and
-          not isinstance(
-              getattr(run, "__self__", None), XlaFullyShardedDataParallel)):
-        f._fsdp_counted = True
-        regions += 1
-      todo.extend(g for g, _ in f.next_functions)
-    parts = self._grad_parts
-    parts["expected"] += regions
-    if reached:
-      # (a forward inside backward is a recompute: its backward is its own;
-      # the id of the running backward is -1 outside backward)
-      if torch._C._current_graph_task_id() != -1:
-        parts["expected"] += 1
-      elif not parts["main"]:
-        parts["main"] = True
-        parts["expected"] += 1
 
   def _dummy_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
     """
@@ -1249,6 +1146,7 @@ class XlaFullyShardedDataParallel(nn.Module):
       # calls are completed.
       if self._is_root:
         self._queue_wait_for_post_backward()
+      self._free_deferred()
 
       if self.optimization_barrier_in_backward:
         self._try_adding_to_backward_opt_barrier_lists(t_grad)
@@ -1401,26 +1299,21 @@ class XlaFullyShardedDataParallel(nn.Module):
       # (see below) Before the barrier that frees the full params, which
       # would otherwise keep the undivided flat gradient beside its copy.
       grad.div_(self.gradient_predivide_factor)
-
+    # (see [Note: Gradient parts of a flat parameter])
+    deferred = isinstance(param, FlatParameter) and (
+        self._in_recompute or
+        (chkpt_status.in_chkpt_bwd and not self._forward_in_chkpt_bwd))
+    self._in_recompute = False
     if self._require_backward_grad_sync or self.reshard_after_forward:
       # Free full params. As a special case, we don't free the full params
       # when in a ``no_sync`` context (as inversely indicated by
       # ``self._require_backward_grad_sync``), since the params will not
       # get updated before the next forward. This saves networking
       # bandwidth but uses more XLA device memory.
-      # A flat param's gradient may come in parts, one from the recompute of
-      # each checkpointed submodule (inside this module's forward): the next
-      # recompute still reads it, so it is freed with the last part, as
-      # counted in forward (`_count_grad_parts`). Each part is
-      # reduce-scattered when it comes. A module recomputed as a whole
-      # gathers its parameters again for each recompute.
-      last_part = True
-      if (isinstance(param, FlatParameter) and
-          not self._forward_in_chkpt_bwd and not self._checkpointed_as_a_whole):
-        self._grad_parts["received"] += 1
-        last_part = (
-            self._grad_parts["received"] >= self._grad_parts["expected"])
-      if last_part:
+      if deferred:
+        if self not in self._deferred_frees:
+          self._deferred_frees.append(self)
+      else:
         self._free_full_params(
             [param],
             dependency_tensors=[grad],
@@ -1526,7 +1419,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     # A backward pass is done, clean up below.
     def _finalize_parameters(fsdp_module: XlaFullyShardedDataParallel) -> None:
       """Helper used below on all fsdp modules."""
-      fsdp_module._grad_parts = Counter()
+      fsdp_module._reentrant_regions = fsdp_module._in_recompute = False
+      fsdp_module._deferred_frees.clear()
       params_to_free = []
       for p in fsdp_module.full_params:
         if not p.requires_grad:
@@ -1708,14 +1602,45 @@ class XlaFullyShardedDataParallel(nn.Module):
     self.has_full_params = True
 
   def _point_unflattened_params(self, p: Parameter) -> None:
-    """
-    If ``p`` is a flat parameter that has just been gathered for backward,
-    point the original parameters that forward made from it (and autograd
-    saved) at its new data. A forward makes new ones instead.
-    """
+    """If ``p`` is a flat parameter gathered for backward, point the original
+    parameters that forward made from it (and autograd saved) at its data."""
     if (isinstance(p, FlatParameter) and
         self.training_state != TrainingState.FORWARD):
       p._unflattened_params.point_at_flat_param()
+
+  # [Note: Gradient parts of a flat parameter]
+  # A reentrant checkpoint (torch_xla's `checkpoint_module`,
+  # `torch.utils.checkpoint(use_reentrant=True)`) of submodules of a unit
+  # reads their parameters again in its recompute, whose own backward gives
+  # a part of the flat parameter's gradient, and a later recompute reads
+  # them again. So such a part defers the free until the unit's backward is
+  # over: the next backward of a unit that neither contains it nor is
+  # inside it, or the end of backward. Uses outside checkpoints give one
+  # part after all recomputes, which frees. A part is a recompute's if it
+  # comes in torch_xla's checkpoint backward, or after a submodule owning
+  # parameters ran in the unit's backward and (in a reentrant checkpoint)
+  # without grad in its forward.
+  def _param_owner_pre_hook(self, *unused: Any) -> None:
+    """Before a submodule that owns original parameters of a flat parameter
+    runs (see [Note: Gradient parts of a flat parameter])."""
+    if self.training_state == TrainingState.FORWARD:
+      if self._forward_with_grad and not torch.is_grad_enabled():
+        self._reentrant_regions = True
+    elif self._reentrant_regions and self.training_state in (
+        TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
+      self._in_recompute = True
+
+  def _free_deferred(self) -> None:
+    """Free the flat parameters of units whose free a recompute deferred
+    and whose backward is over: as this unit's backward starts, those that
+    neither contain it nor are inside it."""
+    for unit in list(self._deferred_frees):
+      if not any(m is self for m in unit.modules()) and not any(
+          m is unit for m in self.modules()):
+        self._deferred_frees.remove(unit)
+        unit._free_full_params(
+            [p for p in unit.full_params if isinstance(p, FlatParameter)],
+            apply_opt_barrier=unit.optimization_barrier_in_backward)
 
   @torch.no_grad()
   def _free_full_params(self,
@@ -1919,43 +1844,26 @@ class _UnflattenedParams:
   use them in forward and backward.
 
   Views into the flat parameter (what ``XlaFlattenParamsWrapper`` sets where
-  ``_unflattened_params`` is None) would be held by the submodules and saved
-  by autograd for backward, so they would pin the forward's gathered data
-  until backward (which would then compute with it rather than with the
-  data gathered for backward), and be outputs of the step graph; under
-  functionalization a view cannot even be freed, as it is regenerated from
-  its base whenever it is read. Here each forward makes the
-  original parameters with ``_UnflattenFlatParameter``: tensors of their own,
-  whose data FSDP swaps as it does that of an unflattened full parameter
-  (freed after forward, pointed at the data gathered for backward, freed
-  again after it), and whose gradients autograd concatenates into one
-  gradient of the flat parameter, as it does through views.
+  ``_unflattened_params`` is None) are held by the submodules and saved by
+  autograd, so they would pin the forward's gathered data until backward
+  and be outputs of the step graph; under functionalization a view cannot
+  even be freed, as it is regenerated from its base whenever it is read.
+  Each forward instead makes the original parameters with
+  ``_UnflattenFlatParameter``: tensors of their own, whose data FSDP swaps
+  as it does an unflattened full parameter's (freed after forward, pointed
+  at the data gathered for backward, freed after it).
 
   Invariant: the tensors in ``_holding`` hold slices of the flat parameter's
-  current full data (so it is empty while the flat parameter is freed), and
-  those in ``_freed`` hold the placeholder. Each list has one entry per
-  forward, of weak references: the submodules hold the latest tensors made,
-  and autograd those it saved; what no one holds needs no freeing.
-
-  Bound: after a module's forward, and again after its backward, nothing
-  computed from its gathered flat parameter is live except through these
-  tensors, which FSDP frees. With optimization barriers, each gather copies
-  them out of the flat parameter behind a barrier, so nothing that XLA fuses
-  or recomputes later can read the gathered flat parameter itself where the
-  compiler keeps the barrier through scheduling (TPU, XLA:GPU; not the
-  default pipeline of XLA:CPU, which removes barriers before it): see
-  [Note: Copying out the original parameters].
+  current full data, those in ``_freed`` the unit's placeholder. Each list
+  has one entry per forward, of weak references: what no one holds (the
+  submodules hold the latest tensors, autograd those it saved) needs no
+  freeing.
   """
 
-  def __init__(self, flat_param: FlatParameter, placeholder: torch.Tensor,
+  def __init__(self, flat_param: FlatParameter,
                unit: "XlaFullyShardedDataParallel"):
     self._flat_param = flat_param
-    # A tensor taken from a submodule in forward and used after it (e.g. by
-    # a forward hook that collects weights) holds this once freed: NaN makes
-    # such a use show, where the zeros of the unit's placeholder would give
-    # a plausible number (e.g. 0 for a weight's norm).
-    self._placeholder = torch.full_like(placeholder, float("nan"))
-    # (see [Note: Copying out the original parameters])
+    self._placeholder = unit._dummy_data_placeholder
     self._barrier_in_forward = self._barrier_in_backward = None
     if unit.optimization_barrier_in_forward:
       self._barrier_in_forward = unit.optimization_barrier_op
@@ -1977,32 +1885,21 @@ class _UnflattenedParams:
 
   def make(self) -> List[torch.Tensor]:
     """The original parameters, for a forward."""
-    p = self._flat_param
-    if not p._has_full_param:
+    if not self._flat_param._has_full_param:
       return self._freed_params
-    params = self._latest = _UnflattenFlatParameter.apply(
-        p, self._barrier_in_forward)
-    # (what no one holds any more needs no freeing)
-    self._holding = [refs for refs in self._holding if _any_alive(refs)]
-    self._holding.append([weakref.ref(t) for t in params])
-    return params
-
-  def grad_fn(self) -> Optional[torch.autograd.graph.Node]:
-    """The autograd node that made the latest tensors, if any."""
-    made = self._latest[0] if self._latest else None
-    return made.grad_fn if isinstance(made, torch.Tensor) else None
+    self._latest = _UnflattenFlatParameter.apply(self._flat_param,
+                                                 self._barrier_in_forward)
+    self._holding = [refs for refs in self._holding if _alive(refs)]
+    self._holding.append([weakref.ref(t) for t in self._latest])
+    return self._latest
 
   def free(self) -> None:
     """Free the tensors that hold data, as the flat parameter is freed."""
     for refs in self._holding:
-      for ref in refs:
-        t = ref()
+      for t in map(lambda ref: ref(), refs):
         if t is not None:
           _swap_data(t, self._placeholder)
-    self._freed = [
-        refs for refs in self._freed + self._holding if _any_alive(refs)
-    ]
-    self._holding = []
+    self._freed, self._holding = self._freed + self._holding, []
     self._set_on_submodules(self._freed_params)
 
   def _set_on_submodules(self, params: List[Any]) -> None:
@@ -2015,22 +1912,14 @@ class _UnflattenedParams:
 
   def point_at_flat_param(self) -> None:
     """Point the freed tensors at the flat parameter's new full data."""
-    if self._holding:
-      raise RuntimeError(
-          "The original parameters of a flat parameter still hold data it had "
-          "before it was gathered again: they were not freed with it.")
-    slices = None
+    self._freed = [refs for refs in self._freed if _alive(refs)]
+    if self._freed:
+      data = _copy_out(self._flat_param, self._barrier_in_backward)
     for refs in self._freed:
-      tensors = [ref() for ref in refs]
-      if all(t is None for t in tensors):
-        continue  # (died since freed: no slices for them)
-      if slices is None:
-        slices = _copy_out(self._flat_param, self._barrier_in_backward)
-      for t, data in zip(tensors, slices):
-        if t is not None:
-          _swap_data(t, data)
-      self._holding.append(refs)
-    self._freed = []
+      for ref, d in zip(refs, data):
+        if ref() is not None:
+          _swap_data(ref(), d)
+    self._holding, self._freed = self._freed, []
     self._set_on_submodules(self._latest)
 
 
@@ -2128,7 +2017,7 @@ for _op in ("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge", "getitem",
   setattr(_FreedParameter, f"__{_op}__", _raise_freed)
 
 
-def _any_alive(refs: List[weakref.ref]) -> bool:
+def _alive(refs: List[weakref.ref]) -> bool:
   return any(ref() is not None for ref in refs)
 
 
@@ -2141,61 +2030,44 @@ class _UnflattenFlatParameter(torch.autograd.Function):
   """
 
   @staticmethod
-  def forward(
-      ctx, flat_param: FlatParameter,
-      optimization_barrier_op: Optional[Callable]) -> Tuple[torch.Tensor, ...]:
+  def forward(ctx, flat_param: FlatParameter,
+              barrier: Optional[Callable]) -> Tuple[torch.Tensor, ...]:
     ctx.set_materialize_grads(False)
     ctx.numels = flat_param._param_numels
-    return tuple(_copy_out(flat_param, optimization_barrier_op))
+    return tuple(_copy_out(flat_param, barrier))
 
   @staticmethod
   def backward(ctx, *grads: Optional[torch.Tensor]):
     some_grad = next((g for g in grads if g is not None), None)
     if some_grad is None:
       return None, None
-    flat_grad = torch.cat([
+    return torch.cat([
         g.reshape(-1) if g is not None else some_grad.new_zeros(numel)
         for g, numel in zip(grads, ctx.numels)
-    ])
-    return flat_grad, None
+    ]), None
 
 
-def _copy_out(
-    flat_param: FlatParameter,
-    optimization_barrier_op: Optional[Callable]) -> List[torch.Tensor]:
+def _copy_out(flat_param: FlatParameter,
+              barrier: Optional[Callable]) -> List[torch.Tensor]:
   """The original parameters' data, copied out of the flat parameter's full
   data: tensors of their own, whose data FSDP can swap."""
   # [Note: Copying out the original parameters]
-  # Each time a flat parameter is gathered (for forward, and again for
-  # backward), its original parameters are copied out of it as 1-D ranges
-  # behind one optimization barrier, and only then given their shapes:
-  # - Behind the barrier, each is a buffer of its own: whatever the compiler
-  #   fuses or recomputes later (a bias read again in backward by the
-  #   recompute of an activation, say) reads it, and the gathered flat
-  #   parameter is dead once they are made. A slice fused into such a
-  #   consumer would keep all of it alive.
-  # - Views of the flat parameter let the compiler rewrite a use of each into
-  #   a use of all of it: TPU compilers convert the whole gathered unit to
-  #   bfloat16 once for dots at default precision (half a unit beside it),
-  #   and the algebraic simplifier turns the reshape of a slice into a slice
-  #   of the whole flat parameter reshaped (for a [32, 16] parameter,
-  #   [N, 16], which the TPU's (8, 128) tiles pad 8 times). Reshaped behind
-  #   the barrier, a parameter is converted and reshaped alone, as with
-  #   flatten_parameters=False.
-  # The cost: as the copies are made, the gathered flat parameter and the
-  # copies are live together (two units), in backward too, and each gather
-  # reads and writes its unit once more (on the TPU compiler's cost model,
-  # about what the whole-unit conversion it removes read and wrote). On
-  # XLA:GPU the copies for backward cost a little memory on A100 and save
-  # some on H100 (optimization_barrier_in_backward=False leaves them out).
-  # On XLA:CPU, which removes barriers before scheduling, and without
-  # barriers, the clones are no copies: the compiler slices as it likes.
+  # Each gather copies the original parameters out of the flat parameter as
+  # 1-D ranges behind one optimization barrier, and then reshapes them:
+  # - Behind the barrier each is a buffer of its own, so nothing the
+  #   compiler fuses or recomputes later (a bias read again in backward)
+  #   reads, and keeps alive, the whole gathered flat parameter.
+  # - Through a view, the TPU compiler converts the whole gathered unit to
+  #   bfloat16 for dots at default precision, and reshapes all of it to take
+  #   out a parameter of few columns (padded by (8, 128) tiles).
+  # The cost: while they are made, the flat parameter and the copies are
+  # both live. XLA:CPU removes barriers before scheduling.
   ranges = [
       t.clone()
       for t in _split_tensor(flat_param.detach(), flat_param._param_numels)
   ]
-  if optimization_barrier_op is not None:
-    optimization_barrier_op(ranges)
+  if barrier is not None:
+    barrier(ranges)
   # (clones, not views: under functionalization FSDP cannot swap a view's
   # data)
   return [

@@ -1,0 +1,52 @@
+"""flatten_parameters=True divides the flat gradient before freeing.
+
+The post-backward hook frees a unit's gathered parameters behind an
+optimization barrier that also takes the gradient. Divided by
+``gradient_predivide_factor`` only after it, the compiler kept the
+undivided flat gradient beside its divided copy. Run with and without
+functionalization (``XLA_DISABLE_FUNCTIONALIZATION=1``).
+"""
+
+import sys
+import unittest
+
+import torch
+import torch.nn.functional as F
+import torch_xla
+from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+import test_utils
+from test_fsdp_flatten_parity import Net
+
+
+class TestPredivideBeforeFree(test_utils.XlaTestCase):
+
+  def test_flat_gradient_divided_when_freed(self):
+    torch.manual_seed(0)
+    model = FSDP(Net(), flatten_parameters=True)
+    # (the factor of a world size of 4, on one device)
+    model.gradient_predivide_factor = 2.0
+    model.gradient_postdivide_factor = 2.0
+    flat = model.full_params[0]
+    grads = []
+    free = model._free_full_params
+
+    def record_and_free(params=None, dependency_tensors=None, **kwargs):
+      if params == [flat]:
+        grads.append(dependency_tensors[0].cpu())
+      free(params, dependency_tensors=dependency_tensors, **kwargs)
+
+    model._free_full_params = record_and_free
+    device = torch_xla.device()
+    x = torch.randn(8, 100).to(device)
+    F.cross_entropy(model(x),
+                    torch.zeros(8, dtype=torch.long).to(device)).backward()
+    torch_xla.sync()
+    # (stock: divided after the barrier, here still the full gradient)
+    reduced = model.sharded_params[0].grad.cpu()[:grads[0].numel()]
+    torch.testing.assert_close(grads[0], reduced * 2)
+
+
+if __name__ == '__main__':
+  test = unittest.main(exit=False)
+  sys.exit(0 if test.result.wasSuccessful() else 1)
