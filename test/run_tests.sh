@@ -69,9 +69,10 @@ for test in test_fsdp_flatten_parity.py test_fsdp_flatten_freed_params.py \
   run_test_without_functionalization "$test"
 done
 
-# This repository's own: the overlay, the package users install and the series
-# of upstream patches (the memory figures and the comparison with stock
-# torch_xla are above).
+# This repository's own: the Hugging Face Trainer, the overlay, the package
+# users install and the series of upstream patches (the memory figures and the
+# comparison with stock torch_xla are above).
+run_test test_fsdp_hf_trainer.py
 run_test test_fsdp_package.py
 run_test test_fsdp_overlay.py
 run_test test_upstream_series.py
