@@ -3,7 +3,7 @@
 Builds the package from a copy of the checkout (``pip wheel``, and ``python -m
 build``: an sdist, then the wheel built from it), removes the copy, installs
 each wheel into a fresh virtual environment that sees this environment's torch
-and torch_xla (``--system-site-packages``), and checks there what a user gets.
+and torch_xla (``Venv``), and checks there what a user gets.
 This repository's check, not part of the upstream series.
 """
 
@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
@@ -54,22 +55,34 @@ def read(path):
 
 
 class Venv:
-  """A virtual environment with one wheel installed, over the system's."""
+  """A virtual environment with one wheel installed, over this one's."""
 
   def __init__(self, parent, wheel):
     self.path = os.path.join(parent, 'venv')
-    run([sys.executable, '-m', 'venv', '--system-site-packages', self.path])
+    # venv makes an environment over the *base* interpreter, also when run
+    # from a virtual environment, so --system-site-packages alone shows the
+    # base's packages, not those of the environment running this test.
+    run([sys.executable, '-m', 'venv', self.path])
     self.python = os.path.join(self.path, 'bin', 'python')
-    # torch and torch_xla are the system's; --force-reinstall installs this
-    # wheel here even where the system has this project installed already.
-    run([
-        self.python, '-m', 'pip', 'install', '--no-index', '--no-deps',
-        '--force-reinstall', '--quiet', wheel
-    ])
     self.site = run([
         self.python, '-c',
         'import sysconfig; print(sysconfig.get_paths()["purelib"])'
     ]).stdout.strip()
+    # This environment's site directories, after the new one's own (so its
+    # wheel comes first), as plain sys.path entries: Python runs the .pth
+    # files of a site directory only, so this environment's own install of
+    # the overlay (an editable one) is not run there.
+    dirs = site.getsitepackages()
+    if site.ENABLE_USER_SITE:
+      dirs.append(site.getusersitepackages())
+    with open(os.path.join(self.site, '_running_environment.pth'), 'w') as f:
+      f.write(''.join(f'{d}\n' for d in dirs if os.path.isdir(d)))
+    # torch and torch_xla are this environment's; --force-reinstall installs
+    # this wheel here even where this environment has the project installed.
+    run([
+        self.python, '-m', 'pip', 'install', '--no-index', '--no-deps',
+        '--force-reinstall', '--quiet', wheel
+    ])
 
   def probe(self, **env):
     out = run([self.python, '-c', PROBE], env=env).stdout
