@@ -23,8 +23,9 @@ executable: what a device holds for the step), graph outputs, all-gathers, reduc
 instructions, compile and step time. Every configuration runs in a process
 of its own, stock torch_xla with TORCH_XLA_FSDP_OVERLAY=0.
 
-  python benchmarks/fsdp_flatten_memory.py                # about 2 hours on 2 cores
-  python benchmarks/fsdp_flatten_memory.py --compilers none       # XLA:CPU only
+  python benchmarks/fsdp_flatten_memory.py          # quick: about 5 minutes
+  python benchmarks/fsdp_flatten_memory.py --all    # everything: about 2 hours
+  python benchmarks/fsdp_flatten_memory.py --all --compilers none  # XLA:CPU only
   python benchmarks/fsdp_flatten_memory.py --compilers tpu-v5e gpu-h100
   python benchmarks/fsdp_flatten_memory.py --models gpt2 my_pkg.models:build
   python benchmarks/fsdp_flatten_memory.py --layers 2 4 --world-sizes 8
@@ -32,11 +33,17 @@ of its own, stock torch_xla with TORCH_XLA_FSDP_OVERLAY=0.
   python benchmarks/fsdp_flatten_memory.py --pipeline default   # barriers dropped
   python benchmarks/fsdp_flatten_memory.py --with-speed  # and fsdp_flatten_speed.py
 
+Without flags, the quick run: the model from pytorch/xla#5464 at 2 and 4
+layers, world size 8, on XLA:CPU and (with the compilers extra) TPU v5e,
+F / stock T / fixed T (about 5 minutes on 2 cores). --all runs everything
+above (about 2 hours); the other flags change either.
+
 On CPU the step graphs keep FSDP's optimization barriers, as on TPU (XLA's
 CPU pipeline drops them); --pipeline default measures the plain CPU pipeline.
 
-Writes report.json, compilers.json and peak_vs_layers.png to --out (default
-out/report).
+Writes report.json, compilers.json, peak_vs_layers.png (XLA:CPU) and
+compilers_vs_layers.png (the TPU and GPU compilers) to --out (default
+out/report). --replot compilers.json draws the latter again from a saved run.
 """
 
 import argparse
@@ -55,6 +62,9 @@ import fsdp_compiler_memory as cm  # noqa: E402
 
 VARIANTS = [('stock', False), ('stock', True), ('patched', False),
             ('patched', True)]
+# The quick run's: F once (the fix leaves flatten_parameters=False's step
+# graph as stock's), stock T and fixed T.
+QUICK_VARIANTS = [('stock', True), ('patched', False), ('patched', True)]
 # functions of fsdp_real_models: SMALL on XLA:CPU, LARGE on the compilers
 REAL_MODELS = cm.TRANSFORMERS
 # Activation checkpointing inside each unit (fsdp_memory_utils), SGD, at each
@@ -69,6 +79,15 @@ INNER_CHECKPOINT = {
         'fsdp_memory_utils:torch_non_reentrant_checkpoint_model',
 }
 MB = 1e6
+# What the flags left unset take: the quick run (the default, a figure in
+# minutes) or --all (the full report).
+QUICK = dict(
+    layers=[2, 4], world_sizes=[8], models=['report'], compilers=['tpu-v5e'])
+ALL = dict(
+    layers=[2, 4, 8],
+    world_sizes=[1, 8],
+    models=['report', *REAL_MODELS, *INNER_CHECKPOINT],
+    compilers=list(cm.TARGETS))
 # An explicit (empty) list of disabled passes stops the helper from adding
 # its own, which keeps the barriers.
 _PIPELINE_ENV = {
@@ -89,20 +108,34 @@ def parse_args(argv):
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog='\n'.join(__doc__.splitlines()[1:]))
   parser.add_argument(
-      '--layers', type=int, nargs='+', default=[2, 4, 8], metavar='N')
+      '--all',
+      action='store_true',
+      help='the full report: every model, depth, world size and installed '
+      'compiler (about 2 hours on 2 cores); without it, the quick run: '
+      f"the report model at {QUICK['layers']} layers, world size "
+      f"{QUICK['world_sizes'][0]}, XLA:CPU and {QUICK['compilers'][0]}")
   parser.add_argument(
-      '--world-sizes', type=int, nargs='+', default=[1, 8], metavar='W')
+      '--layers',
+      type=int,
+      nargs='+',
+      metavar='N',
+      help=f"default: {QUICK['layers']}, --all {ALL['layers']}")
+  parser.add_argument(
+      '--world-sizes',
+      type=int,
+      nargs='+',
+      metavar='W',
+      help=f"default: {QUICK['world_sizes']}, --all {ALL['world_sizes']}")
   parser.add_argument(
       '--models',
       nargs='+',
-      default=['report', *REAL_MODELS, *INNER_CHECKPOINT],
       metavar='MODEL',
       help="'report' (the report's model, at each of --layers), "
       f"{', '.join(REAL_MODELS)} (transformers), "
       f"{', '.join(INNER_CHECKPOINT)} (checkpointing inside each unit, at "
       'each of --layers and the largest world size), or '
       'package.module:function returning (module, example batch, classes to '
-      'wrap as units); default: all but your own')
+      "wrap as units); default: report; --all: all but your own")
   parser.add_argument('--steps', type=int, default=4)
   parser.add_argument('--out', default=os.path.join('out', 'report'))
   parser.add_argument(
@@ -126,8 +159,15 @@ def parse_args(argv):
       f"(of {', '.join(cm.TARGETS)}; 'none': XLA:CPU only), traced at world "
       f'size {cm.WORLD_SIZE} with real collectives: the report model at each '
       'of --layers (and on XLA:GPU at world size 1 too), the transformers '
-      f'at hidden {cm.LARGE.hidden}. Default: every target that the '
-      "compilers extra installs (pip install -e '.[compilers]')")
+      f'at hidden {cm.LARGE.hidden}. Default: {QUICK["compilers"][0]}; '
+      "--all: every target; of those, the ones that the compilers extra "
+      "installs (pip install -e '.[compilers]')")
+  parser.add_argument(
+      '--replot',
+      metavar='COMPILERS_JSON',
+      help='measure nothing: draw compilers_vs_layers.png again, beside '
+      'COMPILERS_JSON (a compilers.json of this report, or a --json of '
+      'fsdp_compiler_memory.py)')
   parser.add_argument(
       '--explain',
       action='store_true',
@@ -135,15 +175,21 @@ def parse_args(argv):
       'of each variant, mapped to FSDP units and parameters; with compilers, '
       "also at each compiler's peak, for the report model's smallest depth")
   args = parser.parse_args(argv)
+  if args.replot:
+    return args
+  preset = ALL if args.all else QUICK
+  for key in ('layers', 'world_sizes', 'models'):
+    if getattr(args, key) is None:
+      setattr(args, key, list(preset[key]))
   if args.compilers and 'none' in args.compilers:
     if len(args.compilers) > 1:
       parser.exit(2, 'error: --compilers none names no other target\n')
     args.compilers = []
   elif args.compilers is None:
-    args.compilers = [t for t in cm.TARGETS if cm.missing(t) is None]
+    args.compilers = [t for t in preset['compilers'] if cm.missing(t) is None]
     if not args.compilers:
-      print('TPU and GPU compilers: not installed (pip install -e '
-            "'.[compilers]'); XLA:CPU only")
+      print(f"TPU and GPU compilers ({', '.join(preset['compilers'])}): not "
+            "installed (pip install -e '.[compilers]'); XLA:CPU only")
   else:
     for t in args.compilers:
       if cm.missing(t):
@@ -193,10 +239,11 @@ def measure_all(args):
       p for p in (os.path.dirname(os.path.abspath(__file__)), os.getcwd(),
                   os.environ.get('PYTHONPATH')) if p)
   results = []
-  total = len(configs) * len(VARIANTS)
+  variants = VARIANTS if args.all else QUICK_VARIANTS
+  total = len(configs) * len(variants)
   start = time.time()
   for i, ((model, world_size, layers), (build, flatten)) in enumerate(
-      ((c, v) for c in configs for v in VARIANTS), 1):
+      ((c, v) for c in configs for v in variants), 1):
     what = (
         f'{model}, world size {world_size}'
         f'{" (simulated)" if world_size > 1 else ""}'
@@ -284,6 +331,54 @@ def print_compiler_tables(results, targets):
           f"layers, world size {r['world_size']}: resident in device memory "
           f"at the compiler's peak {e['peak_bytes'] / MB:.1f} MB")
     print_buffers(e['buffers'])
+
+
+def print_summary(results, compiled):
+  """The report model's F / stock T / fixed T at each depth, on XLA:CPU and
+  on each compiler, side by side: the figure this report is for."""
+  cpu = [r for r in results if r['model'] == 'report']
+  compiled = [r for r in compiled if r['model'] == 'report']
+  depths = sorted({r['layers'] for r in cpu + compiled})
+  if not depths:
+    return
+  rows = []
+  for world_size in sorted({r['world_size'] for r in cpu}, reverse=True):
+    cells = []
+    for n in depths:
+      three = [
+          find(cpu, build, flatten, world_size, n)
+          for build, flatten in (('patched', False), ('stock', True),
+                                 ('patched', True))
+      ]
+      cells.append(' / '.join(
+          f"{r['total_allocated_bytes'] / MB:.1f}" if r else '-'
+          for r in three))
+    rows.append(('XLA:CPU',
+                 f"{world_size}{' (sim.)' if world_size > 1 else ''}", cells))
+  targets = list(dict.fromkeys(r['target'] for r in compiled))
+  for world_size in sorted({r['world_size'] for r in compiled}, reverse=True):
+    for target in targets:
+      by = {
+          (r['layers'], r['variant']): r['total_bytes']
+          for r in compiled
+          if (r['target'], r['world_size']) == (target, world_size)
+      }
+      if not by:
+        continue
+      rows.append((target, str(world_size), [
+          ' / '.join(f'{by[(n, v)] / MB:.1f}' if (n, v) in by else '-'
+                     for v in cm.VARIANTS)
+          for n in depths
+      ]))
+  print('\nThe model from pytorch/xla#5464 (layers of 8 Linear(1280, 1280), a '
+        'unit each, SGD, batch 64),\nMB, F / stock T / fixed T (XLA:CPU: '
+        '"Total bytes used"; compilers: argument + output + temp - alias):')
+  cols = [('compiler', 9),
+          ('world size', 10)] + [(f'{n} layers', 22) for n in depths]
+  print('  '.join(f'{c:<{w}}' for c, w in cols))
+  for where, world_size, cells in rows:
+    print('  '.join(
+        f'{v:<{w}}' for v, (_, w) in zip([where, world_size, *cells], cols)))
 
 
 def find(results, build, flatten, world_size, layers, model='report'):
@@ -440,6 +535,8 @@ def plot(results, path):
                      if (r['build'], r['flatten'],
                          r['world_size']) == (build, flatten, world_size)),
                     key=lambda r: r['layers'])
+      if not rows:  # (the quick run measures F once)
+        continue
       ax.plot([r['layers'] for r in rows],
               [r['peak_resident_bytes'] / MB for r in rows],
               marker='o',
@@ -456,9 +553,57 @@ def plot(results, path):
   fig.savefig(path, dpi=110)
 
 
+def plot_compilers(compiled, path):
+  """Compiled step memory of the report model against depth, F / stock T /
+  fixed T, a panel per compiler (world size 8)."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  # (fsdp_compiler_memory.py --json writes no world size: it is 8 there)
+  rows = [
+      r for r in compiled if r['model'] == 'report' and
+      r.get('world_size', cm.WORLD_SIZE) == cm.WORLD_SIZE
+  ]
+  targets = list(dict.fromkeys(r['target'] for r in rows))
+  fig, axes = plt.subplots(
+      1, len(targets), figsize=(6 * len(targets), 4), squeeze=False)
+  styles = {
+      'stock T': ('stock flatten_parameters=True', 'tab:red', '--'),
+      'fixed T': ('fixed flatten_parameters=True', 'tab:green', '-'),
+      'F': ('flatten_parameters=False', 'tab:blue', '-'),
+  }
+  for ax, target in zip(axes[0], targets):
+    for variant, (name, color, line) in styles.items():
+      points = sorted((r['layers'], r['total_bytes'] / MB)
+                      for r in rows
+                      if (r['target'], r['variant']) == (target, variant))
+      ax.plot(
+          *zip(*points), marker='o', color=color, linestyle=line, label=name)
+    ax.set_xticks(sorted({r['layers'] for r in rows}))
+    ax.set_title(f'{target}, world size {cm.WORLD_SIZE}')
+    ax.set_xlabel('layers (FSDP units)')
+    ax.set_ylabel('compiled training step (MB)')
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle('FSDP memory against depth, model of pytorch/xla#5464')
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
 def main(argv=None):
   args = parse_args(argv)
+  if args.replot:
+    with open(args.replot) as f:
+      compiled = json.load(f)
+    path = os.path.join(
+        os.path.dirname(os.path.abspath(args.replot)),
+        'compilers_vs_layers.png')
+    plot_compilers(compiled, path)
+    print(f'wrote {path}')
+    return
   os.makedirs(args.out, exist_ok=True)
+  start = time.time()
   results = measure_all(args)
   compiled = measure_compilers(args)
   for r in results:  # per-run details (and a deleted dump's path)
@@ -477,11 +622,16 @@ def main(argv=None):
     with open(os.path.join(args.out, 'compilers.json'), 'w') as f:
       json.dump(compiled, f, indent=1)
     written.append(os.path.join(args.out, 'compilers.json'))
+    if len({r['layers'] for r in compiled if r['model'] == 'report'}) > 1:
+      plot_compilers(compiled, os.path.join(args.out,
+                                            'compilers_vs_layers.png'))
+      written.append(os.path.join(args.out, 'compilers_vs_layers.png'))
   if len({r['layers'] for r in results if r['model'] == 'report'}) > 1:
     plot([r for r in results if r['model'] == 'report'],
          os.path.join(args.out, 'peak_vs_layers.png'))
     written.append(os.path.join(args.out, 'peak_vs_layers.png'))
-  print('\nwrote ' + ', '.join(written))
+  print_summary(results, compiled)
+  print(f'\n{time.time() - start:.0f} s; wrote ' + ', '.join(written))
   if args.with_speed:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import fsdp_flatten_speed
