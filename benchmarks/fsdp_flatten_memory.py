@@ -23,7 +23,7 @@ executable: what a device holds for the step), graph outputs, all-gathers, reduc
 instructions, compile and step time. Every configuration runs in a process
 of its own, stock torch_xla with TORCH_XLA_FSDP_OVERLAY=0.
 
-  python benchmarks/fsdp_flatten_memory.py          # quick: about 5 minutes
+  python benchmarks/fsdp_flatten_memory.py          # quick: 4 CPU-minutes
   python benchmarks/fsdp_flatten_memory.py --all    # everything: about 2 hours
   python benchmarks/fsdp_flatten_memory.py --all --compilers none  # XLA:CPU only
   python benchmarks/fsdp_flatten_memory.py --compilers tpu-v5e gpu-h100
@@ -35,7 +35,7 @@ of its own, stock torch_xla with TORCH_XLA_FSDP_OVERLAY=0.
 
 Without flags, the quick run: the model from pytorch/xla#5464 at 2 and 4
 layers, world size 8, on XLA:CPU and (with the compilers extra) TPU v5e,
-F / stock T / fixed T (about 5 minutes on 2 cores). --all runs everything
+F / stock T / fixed T (under 4 minutes of CPU on 2 cores). --all runs everything
 above (about 2 hours); the other flags change either.
 
 On CPU the step graphs keep FSDP's optimization barriers, as on TPU (XLA's
