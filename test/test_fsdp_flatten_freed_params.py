@@ -8,6 +8,7 @@ outside that time raises an error that names it. Each test names what stock did.
 and without functionalization (``XLA_DISABLE_FUNCTIONALIZATION=1``).
 """
 
+import copy
 import functools
 import re
 import sys
@@ -172,38 +173,17 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
           model(x)
         self.assert_freed(model)
 
-  def test_checkpointed_inside_freed_with_last_gradient_part(self):
+  def test_freed_once_the_next_unit_starts_backward(self):
     # Each recompute of a checkpointed submodule gives a part of its unit's
-    # gradient: the unit frees its gathered parameters once its backward is
-    # over, not at the end of backward, which would keep every unit's until
-    # then. (stock: views of the flat parameter kept its data to the end)
-    for style in ('checkpoint_module', 'reentrant', 'non_reentrant'):
+    # gradient, so a unit frees its gathered parameters once its backward is
+    # over: as the next unit's backward starts. Only the first block's, the
+    # last to run backward, wait for the end of backward. (stock: views of
+    # every flat parameter kept its data to the end)
+    for style in (None, 'checkpoint_module', 'reentrant', 'non_reentrant'):
       with self.subTest(style=style):
         model = wrap(make_net(inner_checkpoint=style))
         units = {str(i): block for i, block in enumerate(model.blocks)}
-        self.assertEqual(held_at_end_of_backward(model, units), [])
-
-  def test_outer_unit_freed_before_its_checkpointed_inner_units(self):
-    # A checkpoint around an inner FSDP unit is no part of the outer unit's
-    # gradient: counted as one, the outer unit kept its parameters to the
-    # end of backward. (stock: views of the outer flat parameter)
-    class Stage(nn.Module):
-
-      def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(100, 100)
-        self.inner = checkpoint_module(FSDP(Block(), flatten_parameters=True))
-
-      def forward(self, x):
-        return self.inner(self.proj(x))
-
-    torch.manual_seed(0)
-    stages = nn.Sequential(
-        *[FSDP(Stage(), flatten_parameters=True) for _ in range(2)])
-    model = FSDP(
-        nn.Sequential(stages, nn.Linear(100, 10)), flatten_parameters=True)
-    units = {str(i): stage for i, stage in enumerate(stages)}
-    self.assertEqual(held_at_end_of_backward(model, units), [])
+        self.assertEqual(held_at_end_of_backward(model, units), ['0'])
 
   def test_checkpointed_inside_trains_as_unflattened(self):
     for style in ('checkpoint_module', 'reentrant', 'non_reentrant'):
@@ -213,6 +193,47 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
             train_losses(wrap(make_net(inner_checkpoint=style), False)),
             rtol=RTOL,
             atol=0)
+
+  def test_checkpointed_as_a_whole_and_inside_trains_as_without_fsdp(self):
+    # Each block unit is recomputed by a checkpoint around it, and its layers
+    # again by their own checkpoints inside that recompute.
+    def make():
+      return make_net(inner_checkpoint='checkpoint_module')
+
+    model = wrap(
+        make(),
+        auto_wrapper_callable=lambda m, *args, **kwargs: checkpoint_module(
+            FSDP(m, *args, **kwargs)))
+    torch.testing.assert_close(
+        train_losses(model),
+        train_losses(make().to(torch_xla.device())),
+        rtol=1e-5,
+        atol=0)
+
+  def test_parameter_read_directly_in_two_checkpoints_trains(self):
+    # Two reentrant checkpoints read a parameter of the unit directly, not
+    # through a submodule: the second recompute reads it after the first
+    # part of the gradient has come.
+    class TwiceScaled(Net):
+
+      def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((100,), 1.1))
+
+      def forward(self, x):
+        for _ in range(2):
+          x = torch_checkpoint(
+              lambda t: t * self.scale, x.requires_grad_(), use_reentrant=True)
+        return super().forward(x)
+
+    torch.manual_seed(0)
+    net = TwiceScaled()
+    reference = copy.deepcopy(net).to(torch_xla.device())
+    torch.testing.assert_close(
+        train_losses(FSDP(net, flatten_parameters=True)),
+        train_losses(reference),
+        rtol=1e-5,
+        atol=0)
 
 
 def weight_hlo(model, phase):
@@ -278,8 +299,9 @@ class TestUseOfAFreedParameter(test_utils.XlaTestCase):
     model = wrap(make_net(ReadsWeight))
     x, _ = make_batch()
     with self.assertRaisesRegex(
-        RuntimeError, r"Parameter 'blocks\.0\.fc1\.weight' is used while "
-        r"the FSDP unit 'blocks\.0' \(Block\).*reshard_after_forward=False"):
+        RuntimeError,
+        r"Parameter 'fc1\.weight' of the FSDP unit wrapping Block is "
+        r"used while the unit has freed it.*reshard_after_forward=False"):
       model(x)
 
   def test_elementwise_use_raises(self):
@@ -287,15 +309,17 @@ class TestUseOfAFreedParameter(test_utils.XlaTestCase):
     model = wrap(make_net(Regularized))
     x, _ = make_batch()
     with torch.no_grad(), self.assertRaisesRegex(
-        RuntimeError, r"Parameter 'blocks\.0\.fc2\.weight' is used while"):
+        RuntimeError,
+        r"Parameter 'fc2\.weight' of the FSDP unit wrapping Block"):
       model(x)
 
   def test_use_before_the_first_forward_raises(self):
     # (stock: a view of the flat parameter, whose data is then the shard)
     model = wrap(make_net())
     with self.assertRaisesRegex(
-        RuntimeError, r"Parameter 'fc2\.weight' of the FSDP unit wrapping "
-        "Block is used before the model's first forward"):
+        RuntimeError,
+        r"Parameter 'fc2\.weight' of the FSDP unit wrapping Block.*"
+        "Before the model's first forward: initialize parameters"):
       model.blocks[1].fc2.weight.sum()
 
   def test_submodule_shared_with_another_unit_raises(self):
@@ -304,8 +328,9 @@ class TestUseOfAFreedParameter(test_utils.XlaTestCase):
     model = wrap(make_net(SharedWithRoot))
     x, _ = make_batch()
     with self.assertRaisesRegex(
-        RuntimeError, r"Parameter 'blocks\.1\.head\.weight' is used while "
-        r"the FSDP unit 'blocks\.1' \(Block\).*reshard_after_forward=False"):
+        RuntimeError,
+        r"Parameter 'head\.weight' of the FSDP unit wrapping Block is "
+        r"used while the unit has freed it.*reshard_after_forward=False"):
       model(x)
 
   def test_probe_between_steps_raises_without_collectives(self):
@@ -316,7 +341,8 @@ class TestUseOfAFreedParameter(test_utils.XlaTestCase):
     with torch.no_grad():
       model(x)
       with count_collectives(model) as collectives, self.assertRaisesRegex(
-          RuntimeError, r"Parameter 'blocks\.0\.fc1\.weight' is used while"):
+          RuntimeError,
+          r"Parameter 'fc1\.weight' of the FSDP unit wrapping Block"):
         model.blocks[0].fc1(x)
     self.assertEqual(collectives['all_gather'], 0)
 

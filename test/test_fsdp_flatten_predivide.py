@@ -1,7 +1,7 @@
-"""flatten_parameters=True divides the flat gradient before freeing.
+"""flatten_parameters=True divides the flat gradient before its barrier.
 
-The post-backward hook frees a unit's gathered parameters behind an
-optimization barrier that also takes the gradient. Divided by
+The post-backward hook puts the gradient behind an optimization barrier
+with the unit's shards. Divided by
 ``gradient_predivide_factor`` only after it, the compiler kept the
 undivided flat gradient beside its divided copy. Run with and without
 functionalization (``XLA_DISABLE_FUNCTIONALIZATION=1``).
@@ -19,24 +19,26 @@ import test_utils
 from test_fsdp_flatten_parity import Net
 
 
-class TestPredivideBeforeFree(test_utils.XlaTestCase):
+class TestPredivideBeforeBarrier(test_utils.XlaTestCase):
 
-  def test_flat_gradient_divided_when_freed(self):
+  def test_flat_gradient_divided_at_the_barrier(self):
     torch.manual_seed(0)
     model = FSDP(Net(), flatten_parameters=True)
     # (the factor of a world size of 4, on one device)
     model.gradient_predivide_factor = 2.0
     model.gradient_postdivide_factor = 2.0
-    flat = model.full_params[0]
+    shard = model.sharded_params[0]
     grads = []
-    free = model._free_full_params
+    barrier = model._apply_opt_barrier_to_params_and_tensors
 
-    def record_and_free(params=None, dependency_tensors=None, **kwargs):
-      if params == [flat]:
+    def record_and_barrier(params, shards, dependency_tensors):
+      # (the post-backward hook's: the flat gradient with the shard)
+      if shards == [shard] and [t.shape for t in dependency_tensors
+                               ] == [shard._orig_size]:
         grads.append(dependency_tensors[0].cpu())
-      free(params, dependency_tensors=dependency_tensors, **kwargs)
+      barrier(params, shards, dependency_tensors)
 
-    model._free_full_params = record_and_free
+    model._apply_opt_barrier_to_params_and_tensors = record_and_barrier
     device = torch_xla.device()
     x = torch.randn(8, 100).to(device)
     F.cross_entropy(model(x),

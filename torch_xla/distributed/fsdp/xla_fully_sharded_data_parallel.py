@@ -565,12 +565,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     # Flag to guard against preparing gradients multiple times per iteration.
     # This is reset at the end of the backward pass.
     self._pre_backward_hook_has_run = False
-    # (see [Note: Gradient parts of a flat parameter])
-    self._forward_with_grad = self._forward_in_chkpt_bwd = False
-    self._reentrant_regions = self._in_recompute = False
+    # (see [Note: Freeing a flat parameter in backward])
     self._deferred_frees: List[XlaFullyShardedDataParallel] = []
-    # (set by the root, see `_set_is_root`)
-    self._name_in_model = ""
 
     if execute_sharding_on_init:
       # Execute the parameter sharding immediately and free up the memory
@@ -799,8 +795,6 @@ class XlaFullyShardedDataParallel(nn.Module):
     for p in self.full_params:
       if isinstance(p, FlatParameter):
         p._unflattened_params = _UnflattenedParams(p, self)
-        for m in {id(m): m for _, m, _ in p._param_infos}.values():
-          m.register_forward_pre_hook(self._param_owner_pre_hook)
     if self.flatten_parameters:
       # replace the views set at flattening time, which hold the full data
       self._fsdp_wrapped_module._unflatten_params_as_views()
@@ -966,21 +960,6 @@ class XlaFullyShardedDataParallel(nn.Module):
         assert m._is_root is None or not m._is_root
         if m._is_root is None:
           m._is_root = False
-    # (for errors that name a parameter, see `_FreedParameter`)
-    for n, m in self.named_modules():
-      if isinstance(m, XlaFullyShardedDataParallel):
-        m._name_in_model = n
-
-  def _qualified_name(self, name: str) -> str:
-    """``name``, relative to this unit, from the root (FSDP's wrappers left
-    out)."""
-    return ".".join(n for n in f"{self._name_in_model}.{name}".split(".")
-                    if n and n not in ("_fsdp_wrapped_module", "_fpw_module"))
-
-  def _unit_name(self) -> str:
-    name = self._qualified_name("")
-    return f"'{name}' ({type(self.module.module).__name__})" if name else (
-        f"wrapping {type(self.module.module).__name__}")
 
   def _setup_output_hook_and_backward_opt_barrier_lists(self) -> None:
     """
@@ -1003,8 +982,6 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     # Start of a forward pass.
     self.training_state = TrainingState.FORWARD
-    self._forward_with_grad = torch.is_grad_enabled()
-    self._forward_in_chkpt_bwd = chkpt_status.in_chkpt_bwd
 
     if self.compute_dtype != torch.float32:
       # Cast the input float tensors to the specified compute_dtype
@@ -1296,21 +1273,22 @@ class XlaFullyShardedDataParallel(nn.Module):
     if (isinstance(param, FlatParameter) and
         self._require_backward_grad_sync and
         self.gradient_predivide_factor > 1):
-      # (see below) Before the barrier that frees the full params, which
-      # would otherwise keep the undivided flat gradient beside its copy.
+      # (see below) Before the barrier that ties the flat gradient to the
+      # shards, which would otherwise keep the undivided flat gradient beside
+      # its divided copy.
       grad.div_(self.gradient_predivide_factor)
-    # (see [Note: Gradient parts of a flat parameter])
-    deferred = isinstance(param, FlatParameter) and (
-        self._in_recompute or
-        (chkpt_status.in_chkpt_bwd and not self._forward_in_chkpt_bwd))
-    self._in_recompute = False
     if self._require_backward_grad_sync or self.reshard_after_forward:
       # Free full params. As a special case, we don't free the full params
       # when in a ``no_sync`` context (as inversely indicated by
       # ``self._require_backward_grad_sync``), since the params will not
       # get updated before the next forward. This saves networking
       # bandwidth but uses more XLA device memory.
-      if deferred:
+      if isinstance(param, FlatParameter):
+        # (see [Note: Freeing a flat parameter in backward])
+        if self.optimization_barrier_in_backward:
+          self._apply_opt_barrier_to_params_and_tensors([],
+                                                        [param._sharded_param],
+                                                        [grad])
         if self not in self._deferred_frees:
           self._deferred_frees.append(self)
       else:
@@ -1417,10 +1395,10 @@ class XlaFullyShardedDataParallel(nn.Module):
       self.assert_state(TrainingState.BACKWARD_PRE)
 
     # A backward pass is done, clean up below.
+    self._free_deferred(all_units=True)
+
     def _finalize_parameters(fsdp_module: XlaFullyShardedDataParallel) -> None:
       """Helper used below on all fsdp modules."""
-      fsdp_module._reentrant_regions = fsdp_module._in_recompute = False
-      fsdp_module._deferred_frees.clear()
       params_to_free = []
       for p in fsdp_module.full_params:
         if not p.requires_grad:
@@ -1608,39 +1586,27 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.training_state != TrainingState.FORWARD):
       p._unflattened_params.point_at_flat_param()
 
-  # [Note: Gradient parts of a flat parameter]
-  # A reentrant checkpoint (torch_xla's `checkpoint_module`,
-  # `torch.utils.checkpoint(use_reentrant=True)`) of submodules of a unit
-  # reads their parameters again in its recompute, whose own backward gives
-  # a part of the flat parameter's gradient, and a later recompute reads
-  # them again. So such a part defers the free until the unit's backward is
-  # over: the next backward of a unit that neither contains it nor is
-  # inside it, or the end of backward. Uses outside checkpoints give one
-  # part after all recomputes, which frees. A part is a recompute's if it
-  # comes in torch_xla's checkpoint backward, or after a submodule owning
-  # parameters ran in the unit's backward and (in a reentrant checkpoint)
-  # without grad in its forward.
-  def _param_owner_pre_hook(self, *unused: Any) -> None:
-    """Before a submodule that owns original parameters of a flat parameter
-    runs (see [Note: Gradient parts of a flat parameter])."""
-    if self.training_state == TrainingState.FORWARD:
-      if self._forward_with_grad and not torch.is_grad_enabled():
-        self._reentrant_regions = True
-    elif self._reentrant_regions and self.training_state in (
-        TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
-      self._in_recompute = True
-
-  def _free_deferred(self) -> None:
-    """Free the flat parameters of units whose free a recompute deferred
-    and whose backward is over: as this unit's backward starts, those that
-    neither contain it nor are inside it."""
+  # [Note: Freeing a flat parameter in backward]
+  # A flat parameter's gradient may come in parts: one from the recompute of
+  # each reentrant activation checkpoint (torch_xla's `checkpoint_module`,
+  # `torch.utils.checkpoint(use_reentrant=True)`) of submodules, and a later
+  # recompute reads the parameters again. So the post-backward hook applies
+  # the barrier that ties each part to the shards, as for an unflattened
+  # parameter, but frees the data only once the unit's backward is over: when
+  # the backward of a unit that neither contains it nor is inside it starts,
+  # or at the end of backward. Freeing is a swap of data that issues no
+  # computation: when it happens in backward changes nothing that XLA
+  # compiles, only that no gathered data is an output of the step.
+  def _free_deferred(self, all_units: bool = False) -> None:
+    """Free the flat parameters of units whose backward is over (see
+    [Note: Freeing a flat parameter in backward])."""
     for unit in list(self._deferred_frees):
-      if not any(m is self for m in unit.modules()) and not any(
-          m is unit for m in self.modules()):
+      if all_units or not (any(m is self for m in unit.modules()) or
+                           any(m is unit for m in self.modules())):
         self._deferred_frees.remove(unit)
         unit._free_full_params(
             [p for p in unit.full_params if isinstance(p, FlatParameter)],
-            apply_opt_barrier=unit.optimization_barrier_in_backward)
+            apply_opt_barrier=False)
 
   @torch.no_grad()
   def _free_full_params(self,
@@ -1857,13 +1823,14 @@ class _UnflattenedParams:
   current full data, those in ``_freed`` the unit's placeholder. Each list
   has one entry per forward, of weak references: what no one holds (the
   submodules hold the latest tensors, autograd those it saved) needs no
-  freeing.
+  freeing. While freed, the submodules hold ``_FreedParameter``s.
   """
 
   def __init__(self, flat_param: FlatParameter,
                unit: "XlaFullyShardedDataParallel"):
     self._flat_param = flat_param
     self._placeholder = unit._dummy_data_placeholder
+    # (see [Note: Copying out the original parameters])
     self._barrier_in_forward = self._barrier_in_backward = None
     if unit.optimization_barrier_in_forward:
       self._barrier_in_forward = unit.optimization_barrier_op
@@ -1871,19 +1838,13 @@ class _UnflattenedParams:
       self._barrier_in_backward = unit.optimization_barrier_op
     self._holding: List[List[weakref.ref]] = []
     self._freed: List[List[weakref.ref]] = []
-    # What the submodules hold while the flat parameter is freed: any use of
-    # them raises an error (a freed tensor holds a one-element placeholder,
-    # which a computation could broadcast). The latest tensors made go back
-    # on the submodules when the flat parameter is gathered for backward
-    # (the recompute of a checkpointed submodule reads them there).
     names, shapes, _ = flat_param.metadata()
     self._freed_params = [
-        _FreedParameter(unit, n, s, flat_param.requires_grad)
-        for n, s in zip(names, shapes)
+        _FreedParameter(unit, n, s) for n, s in zip(names, shapes)
     ]
     self._latest = self._freed_params
 
-  def make(self) -> List[torch.Tensor]:
+  def make(self) -> List[Any]:
     """The original parameters, for a forward."""
     if not self._flat_param._has_full_param:
       return self._freed_params
@@ -1899,16 +1860,9 @@ class _UnflattenedParams:
       for t in map(lambda ref: ref(), refs):
         if t is not None:
           _swap_data(t, self._placeholder)
-    self._freed, self._holding = self._freed + self._holding, []
+    self._freed = [r for r in self._freed + self._holding if _alive(r)]
+    self._holding = []
     self._set_on_submodules(self._freed_params)
-
-  def _set_on_submodules(self, params: List[Any]) -> None:
-    """Set ``params`` as the original parameters, as
-    ``XlaFlattenParamsWrapper._unflatten_params_as_views`` does."""
-    for (_, m, n), t in zip(self._flat_param._param_infos, params):
-      setattr(m, n, t)
-    for _, _, m, n, shared_m, shared_n in self._flat_param._shared_param_infos:
-      setattr(m, n, getattr(shared_m, shared_n))
 
   def point_at_flat_param(self) -> None:
     """Point the freed tensors at the flat parameter's new full data."""
@@ -1922,73 +1876,48 @@ class _UnflattenedParams:
     self._holding, self._freed = self._freed, []
     self._set_on_submodules(self._latest)
 
+  def _set_on_submodules(self, params: List[Any]) -> None:
+    """Set ``params`` as the original parameters, as
+    ``XlaFlattenParamsWrapper._unflatten_params_as_views`` does."""
+    for (_, m, n), t in zip(self._flat_param._param_infos, params):
+      setattr(m, n, t)
+    for _, _, m, n, shared_m, shared_n in self._flat_param._shared_param_infos:
+      setattr(m, n, getattr(shared_m, shared_n))
+
 
 class _FreedParameter:
   """
   What a submodule holds in place of an original parameter of a flat
-  parameter while FSDP has freed it (see ``_UnflattenedParams``). It
-  answers the parameter's shape, dtype and device, and any other use raises
-  an error that names the parameter: read by attribute outside its unit's
-  forward (weights tied by hand across units, a regularizer over the
-  parameters), it has no data.
+  parameter while its unit has freed it. It answers the parameter's
+  ``shape``, ``dtype`` (the unit's compute dtype) and ``device``; any other
+  use raises an error that names it: a freed tensor would hold a
+  one-element placeholder, which a computation could broadcast into a wrong
+  value.
   """
 
   def __init__(self, unit: "XlaFullyShardedDataParallel", name: str,
-               shape: torch.Size, requires_grad: bool):
+               shape: torch.Size):
     self._unit = weakref.ref(unit)
-    self._name = name
-    self.shape, self.requires_grad = shape, requires_grad
+    # (relative to the wrapped module)
+    self._name = name.replace("_fpw_module.", "")
+    self.shape = shape
     self.dtype, self.device = unit.compute_dtype, unit.xla_device
 
-  def size(self, dim: Optional[int] = None) -> Union[torch.Size, int]:
-    return self.shape if dim is None else self.shape[dim]
-
-  def dim(self) -> int:
-    return len(self.shape)
-
-  def _names(self) -> Tuple[str, str]:
-    """The parameter's name and its unit's, from the root."""
-    unit = self._unit()
-    if unit is None:
-      return self._name, "?"
-    return unit._qualified_name(self._name), unit._unit_name()
-
-  def numel(self) -> int:
-    return self.shape.numel()
-
-  nelement = numel
-
-  @property
-  def ndim(self) -> int:
-    return len(self.shape)
-
-  def is_floating_point(self) -> bool:
-    return self.dtype.is_floating_point
-
   def _error(self) -> "_FreedParameterError":
-    name, unit_name = self._names()
     unit = self._unit()
-    if unit is None or unit._is_root is None:
-      return _FreedParameterError(
-          f"Parameter '{name}' of the FSDP unit {unit_name} is used before "
-          "the model's first forward, while FSDP holds only its shards. "
-          "Initialize parameters before wrapping the module (or with "
-          "param_init_fn), or load them with load_state_dict().")
+    wrapped = type(unit.module.module).__name__ if unit is not None else "?"
     return _FreedParameterError(
-        f"Parameter '{name}' is used while the FSDP unit {unit_name}, which "
-        "flattens it, has freed it: its data is gathered only for that "
-        "unit's forward and backward, and it was used outside them (by a "
-        "submodule called from elsewhere, e.g. shared with another unit, or "
-        "read by attribute). FSDP does not gather it there: ranks that do "
-        "not make this call would not issue the all-gather. Pass "
-        "reshard_after_forward=False to that unit (it then keeps its "
-        "parameters gathered from its forward to its backward: use them "
-        "after its forward), or call the submodule inside that unit's "
-        "forward, or tie the weights inside one FSDP unit.")
+        f"Parameter '{self._name}' of the FSDP unit wrapping {wrapped} is "
+        "used while the unit has freed it: it holds data only in the unit's "
+        "forward and backward. FSDP does not gather it elsewhere (ranks that "
+        "do not make this call would not issue the all-gather). Call the "
+        "submodule inside the unit's forward, tie weights inside one unit, "
+        "or pass reshard_after_forward=False to the unit (its parameters then "
+        "stay gathered from its forward to its backward). Before the model's "
+        "first forward: initialize parameters before wrapping.")
 
   def __getattr__(self, name: str) -> Any:
-    # An AttributeError, so that hasattr() and getattr() with a default
-    # answer as for an object without the attribute.
+    # (an AttributeError too, so that hasattr() answers False)
     raise self._error()
 
   @classmethod
@@ -1997,7 +1926,7 @@ class _FreedParameter:
     raise next(t for t in leaves if isinstance(t, cls))._error()
 
   def __repr__(self) -> str:
-    return f"<parameter '{self._names()[0]}', freed by FSDP>"
+    return f"<parameter '{self._name}', freed by FSDP>"
 
 
 class _FreedParameterError(AttributeError, RuntimeError):
@@ -2012,8 +1941,9 @@ for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
             "and", "or", "xor", "lshift", "rshift"):
   setattr(_FreedParameter, f"__{_op}__", _raise_freed)
   setattr(_FreedParameter, f"__r{_op}__", _raise_freed)
-for _op in ("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge", "getitem",
-            "setitem", "len", "iter", "bool", "float", "int", "index", "array"):
+for _op in ("neg", "pos", "abs", "invert", "eq", "ne", "lt", "le", "gt", "ge",
+            "getitem", "setitem", "len", "iter", "bool", "float", "int",
+            "index", "array"):
   setattr(_FreedParameter, f"__{_op}__", _raise_freed)
 
 
@@ -2050,26 +1980,31 @@ class _UnflattenFlatParameter(torch.autograd.Function):
 def _copy_out(flat_param: FlatParameter,
               barrier: Optional[Callable]) -> List[torch.Tensor]:
   """The original parameters' data, copied out of the flat parameter's full
-  data: tensors of their own, whose data FSDP can swap."""
+  data: tensors of their own (under functionalization FSDP cannot swap a
+  view's data)."""
   # [Note: Copying out the original parameters]
-  # Each gather copies the original parameters out of the flat parameter as
-  # 1-D ranges behind one optimization barrier, and then reshapes them:
+  # With a barrier, each gather copies the original parameters out of the
+  # flat parameter as 1-D ranges behind it, and then reshapes them:
   # - Behind the barrier each is a buffer of its own, so nothing the
   #   compiler fuses or recomputes later (a bias read again in backward)
   #   reads, and keeps alive, the whole gathered flat parameter.
-  # - Through a view, the TPU compiler converts the whole gathered unit to
-  #   bfloat16 for dots at default precision, and reshapes all of it to take
-  #   out a parameter of few columns (padded by (8, 128) tiles).
+  # - Reshaped behind it, each parameter is converted and laid out alone: a
+  #   view lets the TPU compiler convert the whole gathered unit to bfloat16
+  #   for dots at default precision, and reshape all of it to take out a
+  #   parameter of few columns (padded by (8, 128) tiles).
   # The cost: while they are made, the flat parameter and the copies are
   # both live. XLA:CPU removes barriers before scheduling.
+  if barrier is None:
+    return [
+        t.view(shape).clone() for t, shape in zip(
+            _split_tensor(flat_param.detach(), flat_param._param_numels),
+            flat_param._param_shapes)
+    ]
   ranges = [
       t.clone()
       for t in _split_tensor(flat_param.detach(), flat_param._param_numels)
   ]
-  if barrier is not None:
-    barrier(ranges)
-  # (clones, not views: under functionalization FSDP cannot swap a view's
-  # data)
+  barrier(ranges)
   return [
       t.view(shape).clone()
       for t, shape in zip(ranges, flat_param._param_shapes)
