@@ -1922,8 +1922,11 @@ class _FreedParameter:
 
   @classmethod
   def __torch_function__(cls, func, types, args=(), kwargs=None):
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-    raise next(t for t in leaves if isinstance(t, cls))._error()
+    for arg in (*args, *(kwargs or {}).values()):
+      for t in arg if isinstance(arg, (list, tuple)) else [arg]:
+        if isinstance(t, cls):
+          raise t._error()
+    raise _FreedParameterError(f"{func} is given a parameter freed by FSDP.")
 
   def __repr__(self) -> str:
     return f"<parameter '{self._name}', freed by FSDP>"
