@@ -62,11 +62,12 @@ class TestUpstreamSeries(unittest.TestCase):
   def test_pr_texts_figures_are_the_reports(self):
     # every table of figures in upstream/prs is made from
     # upstream/pr_figures.json (scripts/pr_figures.py)
-    out = subprocess.run(
-        [sys.executable,
-         os.path.join(ROOT, 'scripts', 'pr_figures.py'), '--check'],
-        capture_output=True,
-        text=True)
+    out = subprocess.run([
+        sys.executable,
+        os.path.join(ROOT, 'scripts', 'pr_figures.py'), '--check'
+    ],
+                         capture_output=True,
+                         text=True)
     self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
 
   def test_single_patch_is_the_series_squashed(self):
