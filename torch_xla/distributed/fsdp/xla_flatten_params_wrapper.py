@@ -83,10 +83,7 @@ class FlatParameter(nn.Parameter):
     self._param_infos: List[Tuple[str, nn.Module, str]] = []
     self._shared_param_infos: List[Tuple[str, str, nn.Module, str, nn.Module,
                                          str]] = []
-    # When set (by XlaFullyShardedDataParallel), what makes the tensors that
-    # `_unflatten_params_as_views` puts on the submodules instead of views
-    # into this flat parameter, which would pin the data they were made from
-    # (see `_UnflattenedParams` there).
+    # (set by XlaFullyShardedDataParallel: see `_UnflattenedParams` there)
     self._unflattened_params = None
 
   def get_param_views(self,

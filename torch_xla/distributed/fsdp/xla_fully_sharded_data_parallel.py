@@ -1123,7 +1123,6 @@ class XlaFullyShardedDataParallel(nn.Module):
       # calls are completed.
       if self._is_root:
         self._queue_wait_for_post_backward()
-      self._free_deferred()
 
       if self.optimization_barrier_in_backward:
         self._try_adding_to_backward_opt_barrier_lists(t_grad)
@@ -1395,7 +1394,7 @@ class XlaFullyShardedDataParallel(nn.Module):
       self.assert_state(TrainingState.BACKWARD_PRE)
 
     # A backward pass is done, clean up below.
-    self._free_deferred(all_units=True)
+    self._free_deferred()
 
     def _finalize_parameters(fsdp_module: XlaFullyShardedDataParallel) -> None:
       """Helper used below on all fsdp modules."""
@@ -1513,6 +1512,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     assume the idempotency. So please keep it that way.
     """
     if self.has_full_params:
+      self._point_unflattened_params()
       return
     if dependency_tensors is None:
       dependency_tensors = []
@@ -1558,7 +1558,6 @@ class XlaFullyShardedDataParallel(nn.Module):
             _swap_data(
                 p,
                 p_padded[:p_shard._orig_size.numel()].view(p_shard._orig_size))
-          self._point_unflattened_params(p)
         p._has_full_param = True
 
     # (an all-gather of an empty list crashes torch_xla)
@@ -1575,38 +1574,38 @@ class XlaFullyShardedDataParallel(nn.Module):
               p,
               p_padded.flatten()[:p_shard._orig_size.numel()].view(
                   p_shard._orig_size))
-        self._point_unflattened_params(p)
 
+    self._point_unflattened_params()
     self.has_full_params = True
 
-  def _point_unflattened_params(self, p: Parameter) -> None:
-    """If ``p`` is a flat parameter gathered for backward, point the original
-    parameters that forward made from it (and autograd saved) at its data."""
-    if (isinstance(p, FlatParameter) and
-        self.training_state != TrainingState.FORWARD):
-      p._unflattened_params.point_at_flat_param()
+  def _point_unflattened_params(self) -> None:
+    """Outside forward, point the original parameters that forward made from
+    the gathered flat parameters (and autograd saved) at their data."""
+    if self.training_state != TrainingState.FORWARD:
+      for p in self.full_params:
+        if isinstance(p, FlatParameter):
+          p._unflattened_params.point_at_flat_param()
 
   # [Note: Freeing a flat parameter in backward]
-  # A flat parameter's gradient may come in parts: one from the recompute of
-  # each reentrant activation checkpoint (torch_xla's `checkpoint_module`,
-  # `torch.utils.checkpoint(use_reentrant=True)`) of submodules, and a later
-  # recompute reads the parameters again. So the post-backward hook applies
-  # the barrier that ties each part to the shards, as for an unflattened
-  # parameter, but frees the data only once the unit's backward is over: when
-  # the backward of a unit that neither contains it nor is inside it starts,
-  # or at the end of backward. Freeing is a swap of data that issues no
-  # computation: when it happens in backward changes nothing that XLA
-  # compiles, only that no gathered data is an output of the step.
-  def _free_deferred(self, all_units: bool = False) -> None:
-    """Free the flat parameters of units whose backward is over (see
+  # A unit's post-backward hook may run before its backward is over: its
+  # flat parameter's gradient comes in parts, one from the recompute of each
+  # reentrant activation checkpoint of its submodules (torch_xla's
+  # `checkpoint_module`, `torch.utils.checkpoint(use_reentrant=True)`) and
+  # one from each call of a unit used twice or called by another unit, and
+  # a later part reads the parameters again (from the data still gathered).
+  # So the hook applies the barrier that ties each part to the shards, as
+  # for an unflattened parameter, and the data is freed at the end of
+  # backward. Freeing is a swap of data that issues no computation: when it
+  # happens changes nothing that XLA compiles, only that no gathered data is
+  # an output of the step.
+  def _free_deferred(self) -> None:
+    """Free the flat parameters whose free backward deferred (see
     [Note: Freeing a flat parameter in backward])."""
-    for unit in list(self._deferred_frees):
-      if all_units or not (any(m is self for m in unit.modules()) or
-                           any(m is unit for m in self.modules())):
-        self._deferred_frees.remove(unit)
-        unit._free_full_params(
-            [p for p in unit.full_params if isinstance(p, FlatParameter)],
-            apply_opt_barrier=False)
+    for unit in self._deferred_frees:
+      unit._free_full_params(
+          [p for p in unit.full_params if isinstance(p, FlatParameter)],
+          apply_opt_barrier=False)
+    self._deferred_frees.clear()
 
   @torch.no_grad()
   def _free_full_params(self,
@@ -1838,9 +1837,10 @@ class _UnflattenedParams:
       self._barrier_in_backward = unit.optimization_barrier_op
     self._holding: List[List[weakref.ref]] = []
     self._freed: List[List[weakref.ref]] = []
-    names, shapes, _ = flat_param.metadata()
+    wrapped = type(unit.module.module).__name__
     self._freed_params = [
-        _FreedParameter(unit, n, s) for n, s in zip(names, shapes)
+        _FreedParameter(f"'{n.replace('_fpw_module.', '')}' of the FSDP unit "
+                        f"wrapping {wrapped}") for n in flat_param.metadata()[0]
     ]
     self._latest = self._freed_params
 
@@ -1888,66 +1888,40 @@ class _UnflattenedParams:
 class _FreedParameter:
   """
   What a submodule holds in place of an original parameter of a flat
-  parameter while its unit has freed it. It answers the parameter's
-  ``shape``, ``dtype`` (the unit's compute dtype) and ``device``; any other
-  use raises an error that names it: a freed tensor would hold a
-  one-element placeholder, which a computation could broadcast into a wrong
-  value.
+  parameter while its unit has freed it: any use raises an error that names
+  it. (A freed tensor would hold a one-element placeholder, which a
+  computation could broadcast into a wrong value.)
   """
 
-  def __init__(self, unit: "XlaFullyShardedDataParallel", name: str,
-               shape: torch.Size):
-    self._unit = weakref.ref(unit)
-    # (relative to the wrapped module)
-    self._name = name.replace("_fpw_module.", "")
-    self.shape = shape
-    self.dtype, self.device = unit.compute_dtype, unit.xla_device
-
-  def _error(self) -> "_FreedParameterError":
-    unit = self._unit()
-    wrapped = type(unit.module.module).__name__ if unit is not None else "?"
-    return _FreedParameterError(
-        f"Parameter '{self._name}' of the FSDP unit wrapping {wrapped} is "
-        "used while the unit has freed it: it holds data only in the unit's "
-        "forward and backward. FSDP does not gather it elsewhere (ranks that "
-        "do not make this call would not issue the all-gather). Call the "
-        "submodule inside the unit's forward, tie weights inside one unit, "
-        "or pass reshard_after_forward=False to the unit (its parameters then "
-        "stay gathered from its forward to its backward). Before the model's "
-        "first forward: initialize parameters before wrapping.")
+  def __init__(self, name: str):
+    self._name = name
 
   def __getattr__(self, name: str) -> Any:
-    # (an AttributeError too, so that hasattr() answers False)
-    raise self._error()
+    if name.startswith("_"):  # (copy and pickle look such names up)
+      raise AttributeError(name)
+    raise _FreedParameterError(self._name)
 
   @classmethod
   def __torch_function__(cls, func, types, args=(), kwargs=None):
     for arg in (*args, *(kwargs or {}).values()):
       for t in arg if isinstance(arg, (list, tuple)) else [arg]:
         if isinstance(t, cls):
-          raise t._error()
-    raise _FreedParameterError(f"{func} is given a parameter freed by FSDP.")
-
-  def __repr__(self) -> str:
-    return f"<parameter '{self._name}', freed by FSDP>"
+          raise _FreedParameterError(t._name)
+    raise _FreedParameterError(f"given to {func}")
 
 
 class _FreedParameterError(AttributeError, RuntimeError):
-  """A use of an original parameter of a flat parameter that FSDP freed."""
+  """A use of an original parameter of a flat parameter that FSDP freed
+  (an AttributeError too, so that hasattr() answers False)."""
 
-
-def _raise_freed(self, *args: Any) -> None:
-  raise self._error()
-
-
-for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
-            "and", "or", "xor", "lshift", "rshift"):
-  setattr(_FreedParameter, f"__{_op}__", _raise_freed)
-  setattr(_FreedParameter, f"__r{_op}__", _raise_freed)
-for _op in ("neg", "pos", "abs", "invert", "eq", "ne", "lt", "le", "gt", "ge",
-            "getitem", "setitem", "len", "iter", "bool", "float", "int",
-            "index", "array"):
-  setattr(_FreedParameter, f"__{_op}__", _raise_freed)
+  def __init__(self, name: str):
+    super().__init__(
+        f"Parameter {name} is used while the unit has freed it: it holds "
+        "data only in the unit's forward and backward (other ranks would not "
+        "issue an all-gather elsewhere). Call the submodule inside the unit's "
+        "forward, tie weights inside one unit, or pass "
+        "reshard_after_forward=False to the unit. Before the model's first "
+        "forward: initialize parameters before wrapping.")
 
 
 def _alive(refs: List[weakref.ref]) -> bool:
