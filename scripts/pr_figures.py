@@ -100,9 +100,34 @@ def _step_table(before_tree, after_tree):
   return table
 
 
+def _bytes_table(before_tree, after_tree):
+  """The bytes a step reads and writes (the compiler's cost analysis, MB)
+  before / after a patch, and their ratio."""
+
+  def table(results):
+    find = _find(results)
+    lines = [
+        '| model | ' + ' | '.join(f'{name}: before / after (after / before)'
+                                  for name in TARGETS.values()) + ' |',
+        '|---|' + '---|' * len(TARGETS)
+    ]
+    for model, name in MODELS.items():
+      cells = []
+      for target in TARGETS:
+        a, b = (
+            find[(tree, model, target, 'fixed T')]['bytes_accessed']
+            for tree in (before_tree, after_tree))
+        cells.append(f'{a / MB:.0f} / {b / MB:.0f} ({b / a:.2f})')
+      lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines) + '\n'
+
+  return table
+
+
 TABLES = {
     'memory': memory_table,
     'copy_out': _step_table('patch 3', 'patch 4'),
+    'copy_out_bytes': _bytes_table('patch 3', 'patch 4'),
     'predivide': _step_table('patch 4', 'series'),
 }
 

@@ -4,8 +4,9 @@ Issue #5464: the original parameters were views into the gathered flat
 parameter, which the submodules and autograd kept, with the data gathered
 for forward, until backward. Now, like unflattened parameters, they hold
 data only while their unit has its flat parameter gathered; a use of one
-outside that time raises an error that names it. Each test names what stock did. Run with
-and without functionalization (``XLA_DISABLE_FUNCTIONALIZATION=1``).
+outside that time raises an error that names it. Each test names what stock
+did. Run with and without functionalization
+(``XLA_DISABLE_FUNCTIONALIZATION=1``).
 """
 
 import copy
@@ -24,7 +25,7 @@ from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import test_utils
 from fsdp_test_utils import count_collectives, torch_checkpoint
-from test_fsdp_flatten_parity import Block, Net, RTOL
+from test_fsdp_flatten_parity import Block, Net, RTOL, step_graph_outputs
 
 
 class TorchCheckpointBlock(Block):
@@ -57,6 +58,34 @@ class SharedWithRoot(Net):
   def __init__(self):
     super().__init__()
     self.blocks[1].head = self.head
+
+
+class UsedTwice(Net):
+  """The first block is used twice: its unit gets two pre-backward hooks."""
+
+  def forward(self, x):
+    return self.head(self.blocks[0](self.blocks[1](self.blocks[0](x))))
+
+
+class TwoOutputBlock(Block):
+
+  def forward(self, x):
+    h = F.relu(self.fc1(x))
+    return x + self.fc2(h), h.mean(-1, keepdim=True)
+
+
+class TwoOutputs(Net):
+  """The first block's unit has two outputs: two pre-backward hooks."""
+
+  def __init__(self):
+    super().__init__()
+    self.blocks[0] = TwoOutputBlock()
+
+  def forward(self, x):
+    x, s = self.blocks[0](x)
+    for block in self.blocks[1:]:
+      x = block(x)
+    return self.head(x * s)
 
 
 class Regularized(Net):
@@ -150,6 +179,15 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
           model(x)
         self.assert_freed(model)
 
+  def test_unit_with_two_outputs_freed_after_backward(self):
+    # Its second pre-backward hook finds its parameters gathered. (stock: the
+    # views kept the gathered data, an output of the step; so did a version
+    # that lost track there of the tensors holding it)
+    self.assertEqual(
+        step_graph_outputs(wrap(make_net(TwoOutputs))),
+        step_graph_outputs(
+            wrap(make_net(TwoOutputs), flatten_parameters=False)))
+
   def test_checkpointed_inside_trains_as_unflattened(self):
     for style in ('checkpoint_module', 'reentrant', 'non_reentrant'):
       with self.subTest(style=style):
@@ -240,12 +278,7 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
   def test_unit_used_twice_trains_without_resharding_after_forward(self):
     # (Stock trains this. A free after the first use's post-backward hook
     # left the second use's checkpointed layers a freed parameter.)
-    class Twice(Net):
-
-      def forward(self, x):
-        return self.head(self.blocks[0](self.blocks[1](self.blocks[0](x))))
-
-    net = make_net(Twice, inner_checkpoint='checkpoint_module')
+    net = make_net(UsedTwice, inner_checkpoint='checkpoint_module')
     reference = copy.deepcopy(net).to(torch_xla.device())
     torch.testing.assert_close(
         train_losses(wrap(net, reshard_after_forward=False)),

@@ -94,10 +94,10 @@ def train(flatten_parameters, steps=STEPS):
   }
 
 
-def step_graph_outputs(flatten_parameters):
-  """The number of outputs of a training step's graph (the device data
-  it creates), and of the model's parameters. SGD keeps no state."""
-  model = wrapped_net(flatten_parameters)
+def step_graph_outputs(model):
+  """The number of outputs of a training step's graph (the device data it
+  creates) beyond ``model``'s parameters (their shards) and gradients. SGD
+  keeps no state."""
   optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
   x = torch.randn(32, 100).to(torch_xla.device())
   for _ in range(2):  # (the second step's)
@@ -108,7 +108,7 @@ def step_graph_outputs(flatten_parameters):
     torch_xla.sync()
     xm.wait_device_ops()  # (the count is complete once the graph has run)
     outputs = met.counter_value('CreateDataHandles') - created
-  return outputs, len(list(model.parameters()))
+  return outputs - 2 * len(list(model.parameters()))
 
 
 class TestFlattenParity(test_utils.XlaTestCase):
@@ -145,11 +145,9 @@ class TestFlattenParity(test_utils.XlaTestCase):
     # so every unit's gathered parameters were also outputs of the step
     # graph. Beyond the parameters (their shards) and their gradients, the
     # graph must output what it does with flatten_parameters=False.
-    extra = {}
-    for flatten in (False, True):
-      outputs, num_params = step_graph_outputs(flatten)
-      extra[flatten] = outputs - 2 * num_params
-    self.assertEqual(extra[True], extra[False])
+    self.assertEqual(
+        step_graph_outputs(wrapped_net(True)),
+        step_graph_outputs(wrapped_net(False)))
 
   def test_one_all_gather_and_reduce_scatter_per_flat_param(self):
     # 4 units (3 blocks, root): each gathered for forward and, except the

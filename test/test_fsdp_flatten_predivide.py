@@ -25,8 +25,7 @@ class TestPredivideBeforeBarrier(test_utils.XlaTestCase):
     torch.manual_seed(0)
     model = FSDP(Net(), flatten_parameters=True)
     # (the factor of a world size of 4, on one device)
-    model.gradient_predivide_factor = 2.0
-    model.gradient_postdivide_factor = 2.0
+    model.set_gradient_divide_factors(2.0, 2.0, recursive=True)
     shard = model.sharded_params[0]
     grads = []
     barrier = model._apply_opt_barrier_to_params_and_tensors

@@ -1873,7 +1873,7 @@ class _UnflattenedParams:
       for ref, d in zip(refs, data):
         if ref() is not None:
           _swap_data(ref(), d)
-    self._holding, self._freed = self._freed, []
+    self._holding, self._freed = self._holding + self._freed, []
     self._set_on_submodules(self._latest)
 
   def _set_on_submodules(self, params: List[Any]) -> None:
