@@ -16,7 +16,9 @@ from unittest import mock
 import torch_xla_fsdp_overlay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FSDP_DIR = os.path.join(ROOT, 'torch_xla', 'distributed', 'fsdp')
+# (not ROOT: a virtual environment may live inside the checkout)
+CHECKOUT_TORCH_XLA = os.path.join(ROOT, 'torch_xla')
+FSDP_DIR = os.path.join(CHECKOUT_TORCH_XLA, 'distributed', 'fsdp')
 PRINT_FILE = (
     'import torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel'
     ' as m; print(m.__file__)')
@@ -47,14 +49,15 @@ class TestFsdpOverlay(unittest.TestCase):
   def test_rest_of_torch_xla_is_stock(self):
     import torch_xla
     self.assertFalse(
-        os.path.realpath(
-            torch_xla.__file__).startswith(os.path.realpath(ROOT) + os.sep))
+        os.path.realpath(torch_xla.__file__).startswith(
+            os.path.realpath(CHECKOUT_TORCH_XLA) + os.sep))
 
   def test_env_var_turns_overlay_off(self):
     stock = fsdp_file({'TORCH_XLA_FSDP_OVERLAY': '0'})
     self.assertIn('site-packages', stock)
     self.assertFalse(
-        os.path.realpath(stock).startswith(os.path.realpath(ROOT) + os.sep))
+        os.path.realpath(stock).startswith(
+            os.path.realpath(CHECKOUT_TORCH_XLA) + os.sep))
     overlaid = fsdp_file({'TORCH_XLA_FSDP_OVERLAY': '1'})
     self.assertEqual(
         os.path.dirname(os.path.realpath(overlaid)), os.path.realpath(FSDP_DIR))
