@@ -56,79 +56,72 @@ def _units(results, tree, model, target, reference=('series', 'F')):
           fixed['largest_gather_bytes'])
 
 
-def memory_table(results):
-  """F / before / after patch 3 (MB), and units above F."""
-  find = _find(results)
-  lines = [
-      '| model | ' + ' | '.join(f'{name}: F / before / after (units above F)'
-                                for name in TARGETS.values()) + ' |',
-      '|---|' + '---|' * len(TARGETS)
-  ]
-  for model, name in MODELS.items():
-    cells = []
-    for target in TARGETS:
-      f, before = (find[('series', model, target, v)] for v in ('F', 'stock T'))
-      after = find[('patch 3', model, target, 'fixed T')]
-      cells.append(f'{_mb(f)} / {_mb(before)} / {_mb(after)} '
-                   f"({_units(results, 'patch 3', model, target):.2f})")
-    lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
-  return '\n'.join(lines) + '\n'
-
-
-def _step_table(before_tree, after_tree):
-  """fixed T before / after a patch (MB), and units above F."""
+def _table(header, cell):
+  """A table with a row per model and a column per target, headed
+  ``TARGET: header``, its cells ``cell(results, model, target)``."""
 
   def table(results):
-    find = _find(results)
     lines = [
-        '| model | ' + ' | '.join(f'{name}: before / after (units above F)'
-                                  for name in TARGETS.values()) + ' |',
+        '| model | ' +
+        ' | '.join(f'{name}: {header}' for name in TARGETS.values()) + ' |',
         '|---|' + '---|' * len(TARGETS)
     ]
     for model, name in MODELS.items():
-      cells = []
-      for target in TARGETS:
-        a, b = (
-            find[(tree, model, target, 'fixed T')]
-            for tree in (before_tree, after_tree))
-        cells.append(f'{_mb(a)} / {_mb(b)} '
-                     f'({_units(results, before_tree, model, target):.2f} / '
-                     f'{_units(results, after_tree, model, target):.2f})')
+      cells = [cell(results, model, target) for target in TARGETS]
       lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines) + '\n'
 
   return table
 
 
-def _bytes_table(before_tree, after_tree):
+def _memory_cell(results, model, target):
+  """F / before / after patch 3 (MB), and units above F."""
+  find = _find(results)
+  f, before = (find[('series', model, target, v)] for v in ('F', 'stock T'))
+  after = find[('patch 3', model, target, 'fixed T')]
+  return (f'{_mb(f)} / {_mb(before)} / {_mb(after)} '
+          f"({_units(results, 'patch 3', model, target):.2f})")
+
+
+def _step_cell(before_tree, after_tree):
+  """fixed T before / after a patch (MB), and units above F."""
+
+  def cell(results, model, target):
+    a, b = (
+        _find(results)[(tree, model, target, 'fixed T')]
+        for tree in (before_tree, after_tree))
+    return (f'{_mb(a)} / {_mb(b)} '
+            f'({_units(results, before_tree, model, target):.2f} / '
+            f'{_units(results, after_tree, model, target):.2f})')
+
+  return cell
+
+
+def _bytes_cell(before_tree, after_tree):
   """The bytes a step reads and writes (the compiler's cost analysis, MB)
   before / after a patch, and their ratio."""
 
-  def table(results):
-    find = _find(results)
-    lines = [
-        '| model | ' + ' | '.join(f'{name}: before / after (after / before)'
-                                  for name in TARGETS.values()) + ' |',
-        '|---|' + '---|' * len(TARGETS)
-    ]
-    for model, name in MODELS.items():
-      cells = []
-      for target in TARGETS:
-        a, b = (
-            find[(tree, model, target, 'fixed T')]['bytes_accessed']
-            for tree in (before_tree, after_tree))
-        cells.append(f'{a / MB:.0f} / {b / MB:.0f} ({b / a:.2f})')
-      lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
-    return '\n'.join(lines) + '\n'
+  def cell(results, model, target):
+    a, b = (
+        _find(results)[(tree, model, target, 'fixed T')]['bytes_accessed']
+        for tree in (before_tree, after_tree))
+    return f'{a / MB:.0f} / {b / MB:.0f} ({b / a:.2f})'
 
-  return table
+  return cell
 
 
 TABLES = {
-    'memory': memory_table,
-    'copy_out': _step_table('patch 3', 'patch 4'),
-    'copy_out_bytes': _bytes_table('patch 3', 'patch 4'),
-    'predivide': _step_table('patch 4', 'series'),
+    'memory':
+        _table('F / before / after (units above F)', _memory_cell),
+    'copy_out':
+        _table('before / after (units above F)',
+               _step_cell('patch 3', 'patch 4')),
+    'copy_out_bytes':
+        _table('before / after (after / before)',
+               _bytes_cell('patch 3', 'patch 4')),
+    'predivide':
+        _table('before / after (units above F)',
+               _step_cell('patch 4', 'series')),
 }
 
 
