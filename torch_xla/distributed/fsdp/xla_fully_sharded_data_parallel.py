@@ -1920,7 +1920,9 @@ class _FreedParameterError(AttributeError, RuntimeError):
         "data only in the unit's forward and backward (other ranks would not "
         "issue an all-gather elsewhere). Call the submodule inside the unit's "
         "forward, tie weights inside one unit, or pass "
-        "reshard_after_forward=False to the unit. Before the model's first "
+        "reshard_after_forward=False to the unit. To read the root's "
+        "parameters outside training (e.g. for generate()), run the model's "
+        "forward under torch.no_grad() first. Before the model's first "
         "forward: initialize parameters before wrapping.")
 
 
