@@ -74,6 +74,14 @@ class TestBadInput(test_utils.XlaTestCase):
                                 r"'head\.weight' of Net is torch\.float16"):
       FSDP(net)
 
+  def test_unit_made_before_and_cast_after(self):
+    # (its shards are checked too: without the check the first step failed
+    # on a shape, naming nothing)
+    net = Net()
+    net.blocks[0] = FSDP(net.blocks[0]).half()
+    with self.assertRaisesRegex(TypeError, r"of Net is torch\.float16"):
+      FSDP(net)
+
 
 if __name__ == '__main__':
   test = unittest.main(exit=False)

@@ -2096,7 +2096,7 @@ def _check_param_dtypes(module: nn.Module, flatten_parameters: bool) -> None:
   flattening or the sharding of ``module``'s parameters would fail on it.
   """
   for name, p in module.named_parameters():
-    if p.dtype != torch.float32 and not hasattr(p, "_is_sharded"):
+    if p.dtype != torch.float32:
       flat = " (a flat parameter has one dtype)" if flatten_parameters else ""
       raise TypeError(
           f"FSDP only supports float32 parameters, but parameter '{name}' of "
