@@ -151,6 +151,12 @@ def block_linears(model):
 
 class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
 
+  def assert_trains_as_without_fsdp(self, net, wrap_net):
+    """``wrap_net(net)`` trains to the losses of ``net`` without FSDP."""
+    reference = copy.deepcopy(net).to(torch_xla.device())
+    torch.testing.assert_close(
+        train_losses(wrap_net(net)), train_losses(reference), rtol=1e-5, atol=0)
+
   def assert_freed(self, model):
     for linear in block_linears(model):
       # (stock: a view of the flat parameter, which pins the data gathered
@@ -231,12 +237,8 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
 
     torch.manual_seed(0)
     net = TwiceScaled()
-    reference = copy.deepcopy(net).to(torch_xla.device())
-    torch.testing.assert_close(
-        train_losses(FSDP(net, flatten_parameters=True)),
-        train_losses(reference),
-        rtol=1e-5,
-        atol=0)
+    self.assert_trains_as_without_fsdp(
+        net, lambda net: FSDP(net, flatten_parameters=True))
 
   def test_unit_called_by_another_unit_trains_as_without_fsdp(self):
     # A unit's forward calls a unit that is not its submodule. The caller's
@@ -267,24 +269,16 @@ class TestFreedWithTheFlatParameter(test_utils.XlaTestCase):
         transformer_auto_wrap_policy, transformer_layer_cls={Block, Caller})
     torch.manual_seed(0)
     net = CallerNet()
-    reference = copy.deepcopy(net).to(torch_xla.device())
-    torch.testing.assert_close(
-        train_losses(
-            FSDP(net, auto_wrap_policy=policy, flatten_parameters=True)),
-        train_losses(reference),
-        rtol=1e-5,
-        atol=0)
+    self.assert_trains_as_without_fsdp(
+        net,
+        lambda net: FSDP(net, auto_wrap_policy=policy, flatten_parameters=True))
 
   def test_unit_used_twice_trains_without_resharding_after_forward(self):
     # (Stock trains this. A free after the first use's post-backward hook
     # left the second use's checkpointed layers a freed parameter.)
     net = make_net(UsedTwice, inner_checkpoint='checkpoint_module')
-    reference = copy.deepcopy(net).to(torch_xla.device())
-    torch.testing.assert_close(
-        train_losses(wrap(net, reshard_after_forward=False)),
-        train_losses(reference),
-        rtol=1e-5,
-        atol=0)
+    self.assert_trains_as_without_fsdp(
+        net, lambda net: wrap(net, reshard_after_forward=False))
 
 
 def weight_hlo(model, phase):
