@@ -116,17 +116,19 @@ REPORT_32X4 = 'report-32x4'
 REPORT_MODELS = ('report', REPORT_32X4)
 
 
-def _size(name: str) -> fsdp_real_models.Size:
-  return LARGE._replace(heads=4, layers=2) if name == T5_4_HEADS else LARGE
+def _size(name: str, layers: Optional[int] = None) -> fsdp_real_models.Size:
+  size = LARGE._replace(heads=4, layers=2) if name == T5_4_HEADS else LARGE
+  return size._replace(layers=layers) if layers else size
 
 
-def build_transformer(name: str):
+def build_transformer(name: str, layers: Optional[int] = None):
   """(module returning the language-modelling loss, input ids, layer
-  classes to wrap as FSDP units) of a transformers model, random weights."""
+  classes to wrap as FSDP units) of a transformers model, random weights
+  (``layers`` deep, default ``LARGE.layers``)."""
   builder = 't5' if name == T5_4_HEADS else name
   if builder not in TRANSFORMERS:
     raise ValueError(f'unknown model {name!r}: {", ".join(TRANSFORMERS)}')
-  return getattr(fsdp_real_models, builder)(size=_size(name))
+  return getattr(fsdp_real_models, builder)(size=_size(name, layers))
 
 
 def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
@@ -138,6 +140,12 @@ def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
   import torch
   import torch_xla
   import fsdp_memory_utils as mu
+  if os.environ.get('FSDP_TRACE_PLATFORM') == 'tpu':
+    _as_on_tpu()
+  design = os.environ.get('FSDP_DESIGN')
+  if design:
+    import fsdp_design_sweep
+    fsdp_design_sweep.apply(design)
   device = torch_xla.device()
   if model_name in REPORT_MODELS:
     model = mu.wrap_report_model(
@@ -156,7 +164,7 @@ def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
     from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
     torch.manual_seed(0)
-    module, ids, classes = build_transformer(model_name)
+    module, ids, classes = build_transformer(model_name, layers)
     model = FSDP(
         module,
         auto_wrap_policy=functools.partial(
@@ -187,6 +195,21 @@ def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
 
   step()
   torch_xla.sync()
+
+
+def _as_on_tpu() -> None:
+  """Trace, on CPU devices, what FSDP does on TPU: gather each flat
+  parameter in pieces with a pinned layout (see [Note: Gathering a flat
+  parameter in pieces])."""
+  from torch_xla.distributed.fsdp import xla_fully_sharded_data_parallel as m
+  init = m.XlaFullyShardedDataParallel.__init__
+
+  def __init__(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    self._gather_flat_params_in_pieces = kwargs.get(
+        'pin_layout_in_collective_ops', True)
+
+  m.XlaFullyShardedDataParallel.__init__ = __init__
 
 
 def _trace_main(model_name: str, layers: int, flatten: bool,
@@ -246,17 +269,22 @@ def trace(stock: Optional[bool],
           timeout: float = 600.0,
           world_size: int = WORLD_SIZE,
           model: str = 'report',
-          pin_layout: bool = True) -> str:
+          pin_layout: bool = True,
+          design: str = '',
+          platform: str = 'cpu') -> str:
   """Path of the step module's HLO text (``before_optimizations``) for one
   variant, traced at ``world_size`` (8: with real collectives; 1: the
   configuration of pytorch/xla#5464). ``model``: one of ``REPORT_MODELS``
-  (``layers`` deep) or of ``TRANSFORMERS`` (``LARGE.layers`` deep; ``layers``
-  unused).
+  (``layers`` deep) or of ``TRANSFORMERS`` (``layers`` deep, or
+  ``LARGE.layers`` if None).
 
   ``stock``: stock torch_xla's FSDP, or this checkout's fixed one; None
   follows ``TORCH_XLA_FSDP_OVERLAY`` (``stock_by_default``).
   ``pin_layout``: FSDP's ``pin_layout_in_collective_ops`` (False: real
-  all-gathers, see ``parse_args``' --unpinned). Traces are kept
+  all-gathers, see ``parse_args``' --unpinned). ``design``: a variant of
+  the fixed FSDP's design (``fsdp_design_sweep``). ``platform``: what the
+  fixed FSDP does on 'tpu' (``TARGETS``' platform; traced on CPU devices,
+  which do what XLA:GPU does). Traces are kept
   in ``out_dir`` (default ``cache_dir()``) under a name that changes with
   the FSDP files traced.
   """
@@ -278,9 +306,17 @@ def trace(stock: Optional[bool],
     with open(path, 'rb') as f:
       digest.update(f.read())
   if model not in REPORT_MODELS:
-    layers = _size(model).layers
+    layers = layers or _size(model).layers
+  if design:
+    digest.update(design.encode())
+    with open(os.path.join(_HERE, 'fsdp_design_sweep.py'), 'rb') as f:
+      digest.update(f.read())
+  tag = '-' + re.sub(r'[^\w.]+', '_', design) if design else ''
+  # (F and stock trace the same on every platform)
+  as_on_tpu = platform == 'tpu' and flatten and not stock
+  tag += '-tpu' if as_on_tpu else ''
   name = (f"{model}-w{world_size}-l{layers}-{'stock' if stock else 'fixed'}-"
-          f"{'T' if flatten else 'F'}{'' if pin_layout else '-unpinned'}-"
+          f"{'T' if flatten else 'F'}{'' if pin_layout else '-unpinned'}{tag}-"
           f'{digest.hexdigest()[:12]}.hlo.txt')
   out_dir = out_dir or cache_dir()
   out = os.path.join(out_dir, name)
@@ -291,6 +327,8 @@ def trace(stock: Optional[bool],
   what = (f"{model} model, {layers} layers, {'stock' if stock else 'fixed'} "
           f"flatten={flatten}")
   what += f"{'' if pin_layout else ', unpinned'}, world size {world_size}"
+  what += f', design {design}' if design else ''
+  what += ', as on TPU' if as_on_tpu else ''
   progress(f'trace: {what} ...')
   start = time.time()
   dump_dir = tempfile.mkdtemp(prefix='fsdp_trace_dump_')
@@ -305,7 +343,9 @@ def trace(stock: Optional[bool],
       # CPU helper, only the dump
       XLA_FLAGS=f'--xla_dump_to={dump_dir} '
       '--xla_disable_hlo_passes=cse_barrier_expander',
-      FSDP_TRACE_NAMES=names_path(out))
+      FSDP_TRACE_NAMES=names_path(out),
+      FSDP_DESIGN=design,
+      FSDP_TRACE_PLATFORM='tpu' if as_on_tpu else '')
   env.pop('XLA_HLO_DEBUG', None)
   proc = subprocess.Popen([
       sys.executable,
@@ -753,17 +793,19 @@ def measure(layers: List[int],
   for model in models:
     for n in (layers if model in REPORT_MODELS else [LARGE.layers]):
       for variant, (stock, flatten) in VARIANTS.items():
-        hlo = trace(
-            stock,
-            flatten,
-            n,
-            out_dir,
-            world_size=world_size,
-            model=model,
-            pin_layout=pin_layout)
-        with open(hlo) as f:
-          gathered = largest_gather_bytes(f.read())
         for target in targets:
+          # (what FSDP does on the target's platform; traced once each)
+          hlo = trace(
+              stock,
+              flatten,
+              n,
+              out_dir,
+              world_size=world_size,
+              model=model,
+              pin_layout=pin_layout,
+              platform=TARGETS[target][0])
+          with open(hlo) as f:
+            gathered = largest_gather_bytes(f.read())
           # (a folder per target and step module)
           dump_dir = dump_to and os.path.join(
               dump_to, target,
@@ -793,22 +835,29 @@ def measure(layers: List[int],
 
 
 _GATHER_RE = re.compile(r'^\s+%\S+ = (.*?) all-(?:reduce|gather)\(', re.M)
+_REDUCE_SCATTER_RE = re.compile(r'^\s+%\S+ = (.*?) reduce-scatter\(', re.M)
 
 
-def largest_gather_bytes(hlo_text: str) -> int:
+def largest_gather_bytes(hlo_text: str, world_size: int = WORLD_SIZE) -> int:
   """The largest parameter a step gathers (with flatten_parameters=True a
   flat parameter: one unit), in bytes: the largest f32 array that an
   all-gather returns (torch_xla's all-gather with a pinned layout, FSDP's,
-  is an all-reduce). At world size 1, where nothing is gathered, the
-  largest flat f32 argument of the step (a whole flat parameter)."""
-  shapes = [m.group(1) for m in _GATHER_RE.finditer(hlo_text)]
+  is an all-reduce) or that a reduce-scatter reduces (``world_size`` times
+  its result: a flat parameter gathered in pieces is reduce-scattered
+  whole). At world size 1, where nothing is gathered, the largest flat f32
+  argument of the step (a whole flat parameter)."""
+  shapes = [(m.group(1), 1) for m in _GATHER_RE.finditer(hlo_text)]
+  shapes += [
+      (m.group(1), world_size) for m in _REDUCE_SCATTER_RE.finditer(hlo_text)
+  ]
   if not shapes:
     entry = re.search(r'^ENTRY [^(]*\((.*)\) ->', hlo_text, re.M)
-    shapes = re.findall(r'f32\[\d+\]', entry.group(1) if entry else '')
+    shapes = [(s, 1) for s in re.findall(r'f32\[\d+\]',
+                                         entry.group(1) if entry else '')]
   sizes = [0]
-  for shape in shapes:
+  for shape, times in shapes:
     for dims in re.findall(r'f32\[([\d,]+)\]', shape):
-      n = 1
+      n = times
       for d in dims.split(','):
         n *= int(d)
       sizes.append(4 * n)

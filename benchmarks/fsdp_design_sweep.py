@@ -1,0 +1,363 @@
+#!/usr/bin/env python3
+"""The design space of the fixed flatten_parameters=True on the compilers.
+
+Each variant changes one or more of the fixed FSDP's design choices (a
+switch each, below) while tracing the step; the step is then compiled by the
+TPU compiler (or XLA:GPU) as ``fsdp_compiler_memory.py`` does, and compared
+with flatten_parameters=False (F) by the compiler's total, argument + output
++ temp - alias bytes, in units (the largest flat parameter gathered).
+
+A variant is a comma-separated list of SWITCH=CHOICE; the series' design is
+the first choice of each switch (the variant ``series``):
+
+  fwd     how forward makes the original parameters from the gathered flat
+          parameter: ranges (1-D ranges copied behind the barrier, then
+          reshaped), shaped (copies of their shapes, behind the barrier),
+          nobarrier (copies of their shapes, no barrier)
+  bwd     the same for backward's re-gathered flat parameter, or views
+          (slices of it: no copies)
+  grad    the flat gradient: cat (the parameters' gradients concatenated),
+          zeros (written in place into a zero buffer, a barrier after
+          each), inplace (written in place into the re-gathered flat
+          parameter)
+  gather  pieces (with FSDP's default pin_layout_in_collective_ops=True,
+          torch_xla's all-gather is an all-reduce of a zero-padded buffer
+          of the result's size: a flat parameter is gathered in pieces no
+          larger than its largest parameter), whole (in one piece),
+          unpinned (pin_layout_in_collective_ops=False: an all-gather, in
+          one piece) or halves (pieces of half the largest parameter)
+  barriers both (the default), fwd, bwd or none: FSDP's
+          optimization_barrier_in_forward / _in_backward
+  divide  where a flat gradient is divided by gradient_predivide_factor:
+          hook (the post-backward hook, the whole flat gradient) or
+          backward (each parameter's gradient as it is put into the flat
+          one; also under no_sync(), which gives the same sums where the
+          factor is a power of 2)
+
+  python benchmarks/fsdp_design_sweep.py --variants series bwd=views \\
+      --models report --layers 2 4 --targets tpu-v4 tpu-v5p
+  python benchmarks/fsdp_design_sweep.py --models llama --targets tpu-v5e
+
+Prints a table (units above F per variant, target and model) and writes the
+results as JSON with --json. Traces and compiles are cached and run one at a
+time (see ``fsdp_compiler_memory.py``).
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Optional
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+import fsdp_compiler_memory as cm  # noqa: E402
+
+SWITCHES = {
+    'fwd': ('ranges', 'shaped', 'nobarrier'),
+    'bwd': ('ranges', 'shaped', 'nobarrier', 'views'),
+    'grad': ('cat', 'zeros', 'inplace'),
+    'gather': ('pieces', 'whole', 'unpinned', 'halves'),
+    'barriers': ('both', 'fwd', 'bwd', 'none'),
+    'divide': ('hook', 'backward'),
+}
+SERIES = 'series'
+DEFAULT_VARIANTS = (SERIES, 'gather=whole', 'gather=unpinned', 'fwd=shaped',
+                    'fwd=nobarrier', 'bwd=shaped', 'bwd=views', 'bwd=nobarrier',
+                    'grad=zeros', 'grad=inplace', 'barriers=fwd',
+                    'barriers=bwd')
+
+
+def parse(variant: str) -> Dict[str, str]:
+  """The choice of every switch in ``variant``."""
+  choices = {k: v[0] for k, v in SWITCHES.items()}
+  if variant == SERIES:
+    return choices
+  for item in variant.split(','):
+    key, _, value = item.partition('=')
+    if key not in SWITCHES or value not in SWITCHES[key]:
+      raise ValueError(f'{item!r} in variant {variant!r}: expected one of ' +
+                       ', '.join(
+                           f"{k}={'|'.join(v)}" for k, v in SWITCHES.items()))
+    choices[key] = value
+  return choices
+
+
+_applied = False
+
+
+def apply(variant: str) -> None:
+  """Change this process's (the checkout's) FSDP to ``variant`` (in a
+  tracing process, before the model is wrapped). ``gather`` is applied by
+  the caller (``pin_layout_in_collective_ops``). Once per process: on CPU
+  ``torch_xla.launch`` runs each device's worker in a thread of one
+  process."""
+  global _applied
+  if _applied:
+    return
+  _applied = True
+  import torch
+  from torch_xla.distributed.fsdp import xla_fully_sharded_data_parallel as m
+  from torch_xla.distributed.fsdp.xla_flatten_params_wrapper import (
+      _split_tensor)
+  s = parse(variant)
+  phase = ['fwd']
+
+  def copy_out(flat_param, barrier):
+    mode = s[phase[0]]
+    pieces = _split_tensor(flat_param.detach(), flat_param._param_numels)
+    shapes = flat_param._param_shapes
+    if mode == 'ranges':
+      ranges = [t.clone() for t in pieces]
+      if barrier is not None:
+        barrier(ranges)
+      return [t.view(shape).clone() for t, shape in zip(ranges, shapes)]
+    if mode == 'views':
+      return [t.view(shape) for t, shape in zip(pieces, shapes)]
+    out = [t.view(shape).clone() for t, shape in zip(pieces, shapes)]
+    if mode == 'shaped' and barrier is not None:
+      barrier(out)
+    return out
+
+  m._copy_out = copy_out
+  point = m._UnflattenedParams.point_at_flat_param
+
+  def point_at_flat_param(self):
+    phase[0] = 'bwd'
+    try:
+      point(self)
+    finally:
+      phase[0] = 'fwd'
+
+  m._UnflattenedParams.point_at_flat_param = point_at_flat_param
+
+  unflatten = m._UnflattenFlatParameter
+  if s['divide'] == 'backward':
+    unflattened_init = m._UnflattenedParams.__init__
+
+    def params_init(self, flat_param, unit):
+      unflattened_init(self, flat_param, unit)
+      flat_param._predivide = unit.gradient_predivide_factor
+
+    m._UnflattenedParams.__init__ = params_init
+    hook = m.XlaFullyShardedDataParallel._post_backward_hook
+
+    def _post_backward_hook(self, param, *unused):
+      if not isinstance(param, m.FlatParameter):
+        return hook(self, param, *unused)
+      factor, self.gradient_predivide_factor = (self.gradient_predivide_factor,
+                                                1.0)
+      try:
+        return hook(self, param, *unused)
+      finally:
+        self.gradient_predivide_factor = factor
+
+    m.XlaFullyShardedDataParallel._post_backward_hook = _post_backward_hook
+
+  def divided(ctx, g):
+    factor = getattr(ctx.flat_param, '_predivide', 1.0)
+    return g / factor if factor > 1 else g
+
+  if s['grad'] != 'cat' or s['divide'] != 'hook':
+    forward = unflatten.forward
+
+    def fwd(ctx, flat_param, barrier):
+      ctx.flat_param, ctx.barrier = flat_param, barrier
+      return forward(ctx, flat_param, barrier)
+
+    def bwd(ctx, *grads):
+      some_grad = next((g for g in grads if g is not None), None)
+      if some_grad is None:
+        return None, None
+      total = sum(ctx.numels)
+      if s['grad'] == 'cat':
+        return torch.cat([
+            divided(ctx, g.reshape(-1))
+            if g is not None else some_grad.new_zeros(numel)
+            for g, numel in zip(grads, ctx.numels)
+        ]), None
+      flat = (
+          ctx.flat_param.detach()
+          if s['grad'] == 'inplace' else some_grad.new_zeros(total))
+      offset = total
+      for g, numel in reversed(list(zip(grads, ctx.numels))):
+        offset -= numel
+        g = (
+            divided(ctx, g.reshape(-1))
+            if g is not None else some_grad.new_zeros(numel))
+        flat = torch.as_strided_scatter(flat, g, (numel,), (1,), offset)
+        if ctx.barrier is not None:
+          ctx.barrier([flat])
+      return flat, None
+
+    unflatten.forward = staticmethod(fwd)
+    unflatten.backward = staticmethod(bwd)
+
+  if s['barriers'] != 'both':
+    init = m.XlaFullyShardedDataParallel.__init__
+
+    def __init__(self, *args, **kwargs):
+      kwargs['optimization_barrier_in_forward'] = s['barriers'] == 'fwd'
+      kwargs['optimization_barrier_in_backward'] = s['barriers'] == 'bwd'
+      init(self, *args, **kwargs)
+
+    m.XlaFullyShardedDataParallel.__init__ = __init__
+
+  if s['gather'] == 'halves':
+    import math
+    gather_in_pieces = m.XlaFullyShardedDataParallel._all_gather
+
+    def _all_gather(self, p, shard):
+      if not isinstance(p, m.FlatParameter):
+        return gather_in_pieces(self, p, shard)
+      pieces = math.ceil(2 * sum(p._param_numels) / max(p._param_numels))
+      chunks = shard.chunk(pieces)
+      gathered = [
+          self.all_gather_op(c, groups=self.sharding_groups) for c in chunks
+      ]
+      return torch.cat([
+          g.view(len(g) // len(c), *c.shape) for g, c in zip(gathered, chunks)
+      ],
+                       dim=1).flatten(0, 1)
+
+    m.XlaFullyShardedDataParallel._all_gather = _all_gather
+
+  if s['gather'] == 'whole':
+    init_in_pieces = m.XlaFullyShardedDataParallel.__init__
+
+    def __init__(self, *args, **kwargs):
+      init_in_pieces(self, *args, **kwargs)
+      self._gather_flat_params_in_pieces = False
+
+    m.XlaFullyShardedDataParallel.__init__ = __init__
+
+
+def measure(variants: List[str],
+            models: List[str],
+            layers: List[int],
+            targets: List[str],
+            transformer_layers: Optional[int] = None) -> List[dict]:
+  """F once per model and depth, and fixed T per variant, compiled for each
+  target: one dict per compile."""
+  results = []
+  configs = [
+      (m, n)
+      for m in models
+      for n in (layers if m in cm.REPORT_MODELS else [transformer_layers])
+  ]
+  todo = len(configs) * (len(variants) + 1)
+  done = 0
+  for model, n in configs:
+    for variant in [None] + list(variants):
+      done += 1
+      choices = parse(variant or SERIES)
+      pinned = choices['gather'] != 'unpinned'
+      design = '' if variant in (None, SERIES) else variant
+      cm.progress(f'[{done}/{todo}] {model} {n or ""} '
+                  f"{'F' if variant is None else variant}")
+      hlo = cm.trace(
+          False,
+          variant is not None,
+          n,
+          model=model,
+          pin_layout=pinned if variant else True,
+          design=design if variant else '',
+          platform='tpu')
+      if variant is None:
+        # a unit: the largest flat parameter the series' step gathers
+        with open(cm.trace(False, True, n, model=model, platform='tpu')) as f:
+          unit = cm.largest_gather_bytes(f.read())
+      for target in targets:
+        stats = cm.compile_hlo(hlo, target)
+        results.append(
+            dict(
+                stats,
+                model=model,
+                layers=n or cm.LARGE.layers,
+                variant=variant or 'F',
+                target=target,
+                unit_bytes=unit))
+  return results
+
+
+def units_table(results: List[dict], targets: List[str]) -> List[List[str]]:
+  """Rows of variant, model, layers and, per target, fixed T's units above
+  F (and its MB)."""
+  find = {
+      (r['model'], r['layers'], r['target'], r['variant']): r for r in results
+  }
+  configs = list(dict.fromkeys((r['model'], r['layers']) for r in results))
+  variants = list(
+      dict.fromkeys(r['variant'] for r in results if r['variant'] != 'F'))
+  rows = []
+  for model, n in configs:
+    unit = max(r['unit_bytes']
+               for r in results
+               if (r['model'], r['layers']) == (model, n))
+    rows.append([model, str(n), 'F'] + [
+        f"{find[(model, n, t, 'F')]['total_bytes'] / cm.MB:.1f}"
+        for t in targets
+    ])
+    for v in variants:
+      row = [model, str(n), f'{v} *' if v == SERIES else v]
+      for t in targets:
+        f, x = (find.get((model, n, t, k)) for k in ('F', v))
+        row.append('-' if x is None else
+                   f"{(x['total_bytes'] - f['total_bytes']) / unit:+.2f} "
+                   f"({x['total_bytes'] / cm.MB:.1f})")
+      rows.append(row)
+  return rows
+
+
+def print_table(results: List[dict], targets: List[str]) -> None:
+  rows = units_table(results, targets)
+  header = ['model', 'layers', 'variant'] + targets
+  widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+  print('\nFixed T per variant: units above F (MB); the F rows: F in MB. '
+        'MB = argument + output + temp - alias; a unit = the largest flat '
+        'parameter gathered; * the default (this checkout).')
+  for r in [header] + rows:
+    print('  '.join(f'{c:>{w}}' for c, w in zip(r, widths)))
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='\n'.join(__doc__.splitlines()[1:]))
+  parser.add_argument('--variants', nargs='+', default=list(DEFAULT_VARIANTS))
+  parser.add_argument(
+      '--models',
+      nargs='+',
+      default=['report'],
+      choices=cm.REPORT_MODELS + cm.TRANSFORMERS)
+  parser.add_argument('--layers', type=int, nargs='+', default=[2, 4, 8])
+  parser.add_argument(
+      '--targets',
+      nargs='+',
+      choices=sorted(t for t, (p, _) in cm.TARGETS.items() if p == 'tpu'),
+      default=['tpu-v5e', 'tpu-v4', 'tpu-v5p', 'tpu-v6e'])
+  parser.add_argument(
+      '--transformer-layers',
+      type=int,
+      help=f'depth of the transformers (default {cm.LARGE.layers})')
+  parser.add_argument('--json', help='write the results there')
+  args = parser.parse_args(argv)
+  for v in args.variants:
+    try:
+      parse(v)
+    except ValueError as e:
+      parser.error(str(e))
+  for t in args.targets:
+    if cm.missing(t):
+      parser.error(f'{t}: {cm.missing(t)}')
+  results = measure(args.variants, args.models, args.layers, args.targets,
+                    args.transformer_layers)
+  print_table(results, args.targets)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()
