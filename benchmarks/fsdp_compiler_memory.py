@@ -140,8 +140,6 @@ def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
   import torch
   import torch_xla
   import fsdp_memory_utils as mu
-  if os.environ.get('FSDP_TRACE_PLATFORM') == 'tpu':
-    _as_on_tpu()
   design = os.environ.get('FSDP_DESIGN')
   if design:
     import fsdp_design_sweep
@@ -195,21 +193,6 @@ def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
 
   step()
   torch_xla.sync()
-
-
-def _as_on_tpu() -> None:
-  """Trace, on CPU devices, what FSDP does on TPU: gather each flat
-  parameter in pieces with a pinned layout (see [Note: Gathering a flat
-  parameter in pieces])."""
-  from torch_xla.distributed.fsdp import xla_fully_sharded_data_parallel as m
-  init = m.XlaFullyShardedDataParallel.__init__
-
-  def __init__(self, *args, **kwargs):
-    init(self, *args, **kwargs)
-    self._gather_flat_params_in_pieces = kwargs.get(
-        'pin_layout_in_collective_ops', True)
-
-  m.XlaFullyShardedDataParallel.__init__ = __init__
 
 
 def _trace_main(model_name: str, layers: int, flatten: bool,
@@ -270,8 +253,7 @@ def trace(stock: Optional[bool],
           world_size: int = WORLD_SIZE,
           model: str = 'report',
           pin_layout: bool = True,
-          design: str = '',
-          platform: str = 'cpu') -> str:
+          design: str = '') -> str:
   """Path of the step module's HLO text (``before_optimizations``) for one
   variant, traced at ``world_size`` (8: with real collectives; 1: the
   configuration of pytorch/xla#5464). ``model``: one of ``REPORT_MODELS``
@@ -282,9 +264,7 @@ def trace(stock: Optional[bool],
   follows ``TORCH_XLA_FSDP_OVERLAY`` (``stock_by_default``).
   ``pin_layout``: FSDP's ``pin_layout_in_collective_ops`` (False: real
   all-gathers, see ``parse_args``' --unpinned). ``design``: a variant of
-  the fixed FSDP's design (``fsdp_design_sweep``). ``platform``: what the
-  fixed FSDP does on 'tpu' (``TARGETS``' platform; traced on CPU devices,
-  which do what XLA:GPU does). Traces are kept
+  the fixed FSDP's design (``fsdp_design_sweep``). Traces are kept
   in ``out_dir`` (default ``cache_dir()``) under a name that changes with
   the FSDP files traced.
   """
@@ -312,9 +292,6 @@ def trace(stock: Optional[bool],
     with open(os.path.join(_HERE, 'fsdp_design_sweep.py'), 'rb') as f:
       digest.update(f.read())
   tag = '-' + re.sub(r'[^\w.]+', '_', design) if design else ''
-  # (F and stock trace the same on every platform)
-  as_on_tpu = platform == 'tpu' and flatten and not stock
-  tag += '-tpu' if as_on_tpu else ''
   name = (f"{model}-w{world_size}-l{layers}-{'stock' if stock else 'fixed'}-"
           f"{'T' if flatten else 'F'}{'' if pin_layout else '-unpinned'}{tag}-"
           f'{digest.hexdigest()[:12]}.hlo.txt')
@@ -328,7 +305,6 @@ def trace(stock: Optional[bool],
           f"flatten={flatten}")
   what += f"{'' if pin_layout else ', unpinned'}, world size {world_size}"
   what += f', design {design}' if design else ''
-  what += ', as on TPU' if as_on_tpu else ''
   progress(f'trace: {what} ...')
   start = time.time()
   dump_dir = tempfile.mkdtemp(prefix='fsdp_trace_dump_')
@@ -344,8 +320,7 @@ def trace(stock: Optional[bool],
       XLA_FLAGS=f'--xla_dump_to={dump_dir} '
       '--xla_disable_hlo_passes=cse_barrier_expander',
       FSDP_TRACE_NAMES=names_path(out),
-      FSDP_DESIGN=design,
-      FSDP_TRACE_PLATFORM='tpu' if as_on_tpu else '')
+      FSDP_DESIGN=design)
   env.pop('XLA_HLO_DEBUG', None)
   proc = subprocess.Popen([
       sys.executable,
@@ -793,19 +768,17 @@ def measure(layers: List[int],
   for model in models:
     for n in (layers if model in REPORT_MODELS else [LARGE.layers]):
       for variant, (stock, flatten) in VARIANTS.items():
+        hlo = trace(
+            stock,
+            flatten,
+            n,
+            out_dir,
+            world_size=world_size,
+            model=model,
+            pin_layout=pin_layout)
+        with open(hlo) as f:
+          gathered = largest_gather_bytes(f.read())
         for target in targets:
-          # (what FSDP does on the target's platform; traced once each)
-          hlo = trace(
-              stock,
-              flatten,
-              n,
-              out_dir,
-              world_size=world_size,
-              model=model,
-              pin_layout=pin_layout,
-              platform=TARGETS[target][0])
-          with open(hlo) as f:
-            gathered = largest_gather_bytes(f.read())
           # (a folder per target and step module)
           dump_dir = dump_to and os.path.join(
               dump_to, target,

@@ -5,7 +5,8 @@ Each variant changes one or more of the fixed FSDP's design choices (a
 switch each, below) while tracing the step; the step is then compiled by the
 TPU compiler (or XLA:GPU) as ``fsdp_compiler_memory.py`` does, and compared
 with flatten_parameters=False (F) by the compiler's total, argument + output
-+ temp - alias bytes, in units (the largest flat parameter gathered).
++ temp - alias bytes, in units (the largest flat gradient the step
+reduce-scatters).
 
 A variant is a comma-separated list of SWITCH=CHOICE; the series' design is
 the first choice of each switch (the variant ``series``):
@@ -20,12 +21,13 @@ the first choice of each switch (the variant ``series``):
           zeros (written in place into a zero buffer, a barrier after
           each), inplace (written in place into the re-gathered flat
           parameter)
-  gather  pieces (with FSDP's default pin_layout_in_collective_ops=True,
+  gather  whole (with FSDP's default pin_layout_in_collective_ops=True,
           torch_xla's all-gather is an all-reduce of a zero-padded buffer
-          of the result's size: a flat parameter is gathered in pieces no
-          larger than its largest parameter), whole (in one piece),
-          unpinned (pin_layout_in_collective_ops=False: an all-gather, in
-          one piece) or halves (pieces of half the largest parameter)
+          of the result's size, here a whole flat parameter), pieces (the
+          flat parameter's shard gathered in pieces no larger than its
+          largest parameter, put back in rank order), halves (pieces of
+          half that) or unpinned (pin_layout_in_collective_ops=False: an
+          all-gather, whole)
   barriers both (the default), fwd, bwd or none: FSDP's
           optimization_barrier_in_forward / _in_backward
   divide  where a flat gradient is divided by gradient_predivide_factor:
@@ -39,12 +41,13 @@ the first choice of each switch (the variant ``series``):
   python benchmarks/fsdp_design_sweep.py --models llama --targets tpu-v5e
 
 Prints a table (units above F per variant, target and model) and writes the
-results as JSON with --json. Traces and compiles are cached and run one at a
-time (see ``fsdp_compiler_memory.py``).
+results as JSON with --json. Traces are cached; each trace and each compile
+runs in a process of its own, one at a time (see ``fsdp_compiler_memory.py``).
 """
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Dict, List, Optional
@@ -57,12 +60,12 @@ SWITCHES = {
     'fwd': ('ranges', 'shaped', 'nobarrier'),
     'bwd': ('ranges', 'shaped', 'nobarrier', 'views'),
     'grad': ('cat', 'zeros', 'inplace'),
-    'gather': ('pieces', 'whole', 'unpinned', 'halves'),
+    'gather': ('whole', 'pieces', 'unpinned', 'halves'),
     'barriers': ('both', 'fwd', 'bwd', 'none'),
     'divide': ('hook', 'backward'),
 }
 SERIES = 'series'
-DEFAULT_VARIANTS = (SERIES, 'gather=whole', 'gather=unpinned', 'fwd=shaped',
+DEFAULT_VARIANTS = (SERIES, 'gather=pieces', 'gather=unpinned', 'fwd=shaped',
                     'fwd=nobarrier', 'bwd=shaped', 'bwd=views', 'bwd=nobarrier',
                     'grad=zeros', 'grad=inplace', 'barriers=fwd',
                     'barriers=bwd')
@@ -88,8 +91,8 @@ _applied = False
 
 def apply(variant: str) -> None:
   """Change this process's (the checkout's) FSDP to ``variant`` (in a
-  tracing process, before the model is wrapped). ``gather`` is applied by
-  the caller (``pin_layout_in_collective_ops``). Once per process: on CPU
+  tracing process, before the model is wrapped). ``gather=unpinned`` is
+  applied by the caller (``pin_layout_in_collective_ops``). Once per process: on CPU
   ``torch_xla.launch`` runs each device's worker in a thread of one
   process."""
   global _applied
@@ -203,31 +206,35 @@ def apply(variant: str) -> None:
 
     m.XlaFullyShardedDataParallel.__init__ = __init__
 
-  if s['gather'] == 'halves':
-    import math
-    gather_in_pieces = m.XlaFullyShardedDataParallel._all_gather
-
-    def _all_gather(self, p, shard):
-      if not isinstance(p, m.FlatParameter):
-        return gather_in_pieces(self, p, shard)
-      pieces = math.ceil(2 * sum(p._param_numels) / max(p._param_numels))
-      chunks = shard.chunk(pieces)
-      gathered = [
-          self.all_gather_op(c, groups=self.sharding_groups) for c in chunks
-      ]
-      return torch.cat([
-          g.view(len(g) // len(c), *c.shape) for g, c in zip(gathered, chunks)
-      ],
-                       dim=1).flatten(0, 1)
-
-    m.XlaFullyShardedDataParallel._all_gather = _all_gather
-
-  if s['gather'] == 'whole':
-    init_in_pieces = m.XlaFullyShardedDataParallel.__init__
+  if s['gather'] in ('pieces', 'halves'):
+    init_whole = m.XlaFullyShardedDataParallel.__init__
+    per_parameter = 2 if s['gather'] == 'halves' else 1
 
     def __init__(self, *args, **kwargs):
-      init_in_pieces(self, *args, **kwargs)
-      self._gather_flat_params_in_pieces = False
+      init_whole(self, *args, **kwargs)
+      flat = [p for p in self.full_params if isinstance(p, m.FlatParameter)]
+      if not flat:
+        return
+      pieces = math.ceil(per_parameter * sum(flat[0]._param_numels) /
+                         max(flat[0]._param_numels))
+      shard_numel = flat[0]._sharded_param.numel()
+      gather = self.all_gather_op
+
+      def all_gather_op(t, groups=None):
+        # (the flat parameter's shard, or its 2-D view: gathered in pieces,
+        # put back in rank order)
+        if (not isinstance(t, torch.Tensor) or t.numel() != shard_numel or
+            pieces == 1):
+          return gather(t, groups=groups)
+        chunks = t.chunk(pieces)
+        gathered = [gather(c, groups=groups) for c in chunks]
+        return torch.cat([
+            g.view(len(g) // len(c), *c.shape)
+            for g, c in zip(gathered, chunks)
+        ],
+                         dim=1).flatten(0, 1)
+
+      self.all_gather_op = all_gather_op
 
     m.XlaFullyShardedDataParallel.__init__ = __init__
 
@@ -261,12 +268,11 @@ def measure(variants: List[str],
           n,
           model=model,
           pin_layout=pinned if variant else True,
-          design=design if variant else '',
-          platform='tpu')
-      if variant is None:
-        # a unit: the largest flat parameter the series' step gathers
-        with open(cm.trace(False, True, n, model=model, platform='tpu')) as f:
-          unit = cm.largest_gather_bytes(f.read())
+          design=design if variant else '')
+      # (a unit: the largest of these over a model's variants, that is the
+      # largest flat gradient a fixed step reduce-scatters)
+      with open(hlo) as f:
+        unit = cm.largest_gather_bytes(f.read())
       for target in targets:
         stats = cm.compile_hlo(hlo, target)
         results.append(
@@ -315,7 +321,7 @@ def print_table(results: List[dict], targets: List[str]) -> None:
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
   print('\nFixed T per variant: units above F (MB); the F rows: F in MB. '
         'MB = argument + output + temp - alias; a unit = the largest flat '
-        'parameter gathered; * the default (this checkout).')
+        'gradient reduce-scattered; * the default (this checkout).')
   for r in [header] + rows:
     print('  '.join(f'{c:>{w}}' for c, w in zip(r, widths)))
 

@@ -7,11 +7,9 @@ and ``<!-- /figures -->``, NAME one of ``TABLES``; its rows are made from
 and no two texts disagree. That file holds compiler reports
 (``benchmarks/fsdp_compiler_memory.py --json``) of the #5464 model at 2
 layers, Llama and T5, each record tagged with the ``tree`` it measured:
-``series`` (F, stock T, and fixed T of the whole series), and ``patch 3``,
-``patch 4`` and ``patch 8`` (fixed T with the series applied up to that
-patch: its FSDP files copied into the checkout while measuring, or for
-``patch 8`` on TPU v5p and v6e ``benchmarks/fsdp_design_sweep.py``'s
-``gather=whole``, the series but for patch 9).
+``series`` (F, stock T, and fixed T of the whole series), and ``patch 3``
+and ``patch 4`` (fixed T with the series applied up to that patch: its FSDP
+files copied into the checkout while measuring).
 
   python scripts/pr_figures.py            # rewrites the tables
   python scripts/pr_figures.py --check    # exit 1 where a text is out of date
@@ -34,7 +32,6 @@ MODELS = {
     't5': 'T5',
 }
 TARGETS = {'tpu-v5e': 'TPU v5e', 'tpu-v4': 'TPU v4'}
-ALL_TARGETS = dict(TARGETS, **{'tpu-v5p': 'TPU v5p', 'tpu-v6e': 'TPU v6e'})
 _TABLE_RE = re.compile(r'(<!-- figures: (\w+) -->\n)(.*?)(<!-- /figures -->)',
                        re.S)
 
@@ -59,18 +56,18 @@ def _units(results, tree, model, target, reference=('series', 'F')):
           fixed['largest_gather_bytes'])
 
 
-def _table(header, cell, targets=TARGETS):
+def _table(header, cell):
   """A table with a row per model and a column per target, headed
   ``TARGET: header``, its cells ``cell(results, model, target)``."""
 
   def table(results):
     lines = [
         '| model | ' +
-        ' | '.join(f'{name}: {header}' for name in targets.values()) + ' |',
-        '|---|' + '---|' * len(targets)
+        ' | '.join(f'{name}: {header}' for name in TARGETS.values()) + ' |',
+        '|---|' + '---|' * len(TARGETS)
     ]
     for model, name in MODELS.items():
-      cells = [cell(results, model, target) for target in targets]
+      cells = [cell(results, model, target) for target in TARGETS]
       lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines) + '\n'
 
@@ -124,10 +121,7 @@ TABLES = {
                _bytes_cell('patch 3', 'patch 4')),
     'predivide':
         _table('before / after (units above F)',
-               _step_cell('patch 4', 'patch 8')),
-    'pieces':
-        _table('before / after (units above F)',
-               _step_cell('patch 8', 'series'), ALL_TARGETS),
+               _step_cell('patch 4', 'series')),
 }
 
 

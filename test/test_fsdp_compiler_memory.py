@@ -14,10 +14,7 @@ by about as much; its step outputs are only shards, their gradients and the
 optimizer state. Each assertion fails on stock torch_xla: run this file with
 TORCH_XLA_FSDP_OVERLAY=0 to see it ("fixed" is then stock).
 
-On TPU v4 a flat parameter gathered in pieces (FSDP's default on TPU) takes
-no second unit of the heap (the #5464 model, 2 and 4 layers: within 1.1
-units of F; 1.94 and 2.00 gathered at once). On TPU v5e the fixed version
-holds at most one unit (the largest flat
+On TPU v5e the fixed version holds at most one unit (the largest flat
 parameter gathered) above flatten_parameters=False on the report model, also
 with a [32, 4] parameter in each Layer (T5's relative attention bias with 4
 heads), and T5 with 4 heads stays within 2.5 (2.2). On A100 it holds at most
@@ -65,9 +62,6 @@ GPU_TARGET = 'gpu-h100'
 # growing per layer within 5% of F
 UNPINNED_GPU_TARGET = 'gpu-a100'
 UNPINNED_MAX_GROWTH = 1.05
-# the fixed version's units above F on TPU v4 (the #5464 model, 2 and 4
-# layers); 1.94 and 2.00 with each flat parameter gathered at once
-V4_MAX_UNITS = 1.1
 WORLD_SIZE = cm.WORLD_SIZE
 # one rank's shard of a Layer's flat parameter (13107200 elements, a
 # multiple of the world size times 128: no padding)
@@ -87,19 +81,15 @@ def setUpModule():
   # are needed.
   _TRACER = concurrent.futures.ThreadPoolExecutor(max_workers=1)
   variants = ['fixed T']
-  if any(cm.missing(t) is None for t in (TPU_TARGET, GPU_TARGET, 'tpu-v4')):
+  if any(cm.missing(t) is None for t in (TPU_TARGET, GPU_TARGET)):
     variants += ['F', 'stock T']
   wanted = [('report', v, n, True) for v in variants for n in LAYERS]
   f_and_fixed = ('F', 'fixed T')
   if cm.missing(UNPINNED_GPU_TARGET) is None:
     wanted += [('report', v, n, False) for v in f_and_fixed for n in LAYERS]
   if cm.missing(TPU_TARGET) is None:
-    # (F and stock are traced alike for every platform)
-    wanted += [('report', 'fixed T', n, True, 'tpu') for n in LAYERS]
-    wanted += [(cm.REPORT_32X4, 'F', 2, True)]
-    wanted += [(cm.REPORT_32X4, 'fixed T', 2, True, 'tpu')]
+    wanted += [(cm.REPORT_32X4, v, 2, True) for v in f_and_fixed]
   for key in wanted:
-    key = (key + ('cpu',))[:5]
     _TRACES[key] = _TRACER.submit(_trace, *key)
 
 
@@ -108,7 +98,7 @@ def tearDownModule():
   shutil.rmtree(_OUT_DIR, ignore_errors=True)
 
 
-def _trace(model, variant, layers, pin_layout=True, platform='cpu'):
+def _trace(model, variant, layers, pin_layout=True):
   stock, flatten = cm.VARIANTS[variant]
   return cm.trace(
       True if stock else None,
@@ -117,22 +107,16 @@ def _trace(model, variant, layers, pin_layout=True, platform='cpu'):
       _OUT_DIR,
       timeout=300,
       model=model,
-      pin_layout=pin_layout,
-      platform=platform)
+      pin_layout=pin_layout)
 
 
-def step_module(variant,
-                layers,
-                pin_layout=True,
-                model='report',
-                platform='cpu'):
+def step_module(variant, layers, pin_layout=True, model='report'):
   """The traced step of ``variant`` ('F', 'stock T' or 'fixed T'); "fixed"
   follows TORCH_XLA_FSDP_OVERLAY (stock with 0). ``pin_layout``: FSDP's
   ``pin_layout_in_collective_ops``. ``model``: 'report' (the default),
-  ``cm.REPORT_32X4`` or ``cm.T5_4_HEADS``. ``platform``: what FSDP does on
-  'tpu' or elsewhere. A trace that ``setUpModule`` did not queue is queued
-  now, behind the others."""
-  key = (model, variant, layers, pin_layout, platform)
+  ``cm.REPORT_32X4`` or ``cm.T5_4_HEADS``; a trace that ``setUpModule`` did
+  not queue is queued now, behind the others."""
+  key = (model, variant, layers, pin_layout)
   if key not in _TRACES:
     _TRACES[key] = _TRACER.submit(_trace, *key)
   return _TRACES[key].result()
@@ -141,9 +125,7 @@ def step_module(variant,
 # (the compiles are shared by the tests of this file)
 @functools.lru_cache(maxsize=None)
 def compiled(target, variant, layers, pin_layout=True, model='report'):
-  return cm.compile_hlo(
-      step_module(variant, layers, pin_layout, model, cm.TARGETS[target][0]),
-      target)
+  return cm.compile_hlo(step_module(variant, layers, pin_layout, model), target)
 
 
 def units_above_unflattened(target, model, layers, pin_layout=True):
@@ -154,9 +136,7 @@ def units_above_unflattened(target, model, layers, pin_layout=True):
   f, fixed = (
       compiled(target, v, layers, pin_layout, model)['total_bytes']
       for v in ('F', 'fixed T'))
-  with open(
-      step_module('fixed T', layers, pin_layout, model,
-                  cm.TARGETS[target][0])) as text:
+  with open(step_module('fixed T', layers, pin_layout, model)) as text:
     unit = cm.largest_gather_bytes(text.read())
   return (fixed - f) / unit, (
       f"{model}, {layers} layers, {target}{'' if pin_layout else ', unpinned'}"
@@ -253,21 +233,6 @@ class TpuCompilerMemoryTest(CompilerMemoryTest, unittest.TestCase):
     # heap packs the gathered unit's all-reduce input and output and its
     # copies above what F holds; at its peak 1.1 units are live above F's.)
     self.assertLessEqual(units, 2.5, figures)
-
-
-class TpuV4CompilerMemoryTest(OnCompiler, unittest.TestCase):
-  target = 'tpu-v4'
-
-  def test_gather_takes_no_second_unit(self):
-    # Gathered at once, torch_xla's pinned all-gather (an all-reduce of a
-    # zero-padded buffer of the whole unit) took a second unit of the heap:
-    # 1.94 and 2.00 units above F. Gathered in pieces of its largest
-    # parameter: 0.99 and 1.07 (at 4 layers the heap places activations
-    # beside the unit's slot).
-    for layers in LAYERS:
-      with self.subTest(layers=layers):
-        units, figures = units_above_unflattened(self.target, 'report', layers)
-        self.assertLessEqual(units, V4_MAX_UNITS, figures)
 
 
 class GpuCompilerMemoryTest(CompilerMemoryTest, unittest.TestCase):

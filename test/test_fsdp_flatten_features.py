@@ -292,28 +292,23 @@ class SameBatchRanks:
       for i, unit in enumerate(rank_units):
         ranks_of_unit = [u[i] for u in units]
         unit.all_gather_op = functools.partial(cls.all_gather, unit,
-                                               ranks_of_unit, {})
+                                               ranks_of_unit)
         unit.all_reduce_op = functools.partial(cls.all_reduce, len(models))
         unit.reduce_scatter_op = cls.ReduceScatter(len(models), rank)
 
   @staticmethod
-  def all_gather(unit, ranks_of_unit, offsets, shard, groups=None):
+  def all_gather(unit, ranks_of_unit, shard, groups=None):
     # `shard` is a sharded param, or its 2-D view (`_shard_size_multiple`),
-    # or a copy in the compute dtype (then the only one of its size), or a
-    # piece of one of these (a flat parameter's, gathered piece after piece
-    # from its start: `offsets` tells where the next one starts)
+    # or a copy in the compute dtype: then the only one of its size
     base = shard if shard._base is None else shard._base
     found = [i for i, p in enumerate(unit.sharded_params) if p is base] or [
         i for i, p in enumerate(unit.sharded_params)
-        if p.numel() == base.numel()
+        if p.numel() == shard.numel()
     ]
     assert len(found) == 1, 'cannot tell which parameter is gathered'
-    start = offsets.get(found[0], 0)
-    offsets[found[0]] = (start + shard.numel()) % base.numel()
     return torch.cat([
-        u.sharded_params[found[0]].to(
-            shard.dtype).flatten()[start:start + shard.numel()].view(
-                shard.shape) for u in ranks_of_unit
+        u.sharded_params[found[0]].to(shard.dtype).view(shard.shape)
+        for u in ranks_of_unit
     ])
 
   @staticmethod
@@ -337,20 +332,14 @@ class SameBatchRanks:
 def train_same_batch_ranks(world_size,
                            flatten_parameters,
                            feature='plain',
-                           steps=STEPS,
-                           in_pieces=None):
+                           steps=STEPS):
   """``train(feature, flatten_parameters)`` by ``world_size`` ranks (see
-  ``SameBatchRanks``): rank 0's losses and the consolidated checkpoint.
-  ``in_pieces``: whether flat parameters are gathered in pieces (default: on
-  TPU)."""
+  ``SameBatchRanks``): rank 0's losses and the consolidated checkpoint."""
   models = []
   for rank in range(world_size):
     with simulated_world_size(world_size, rank) as kwargs:
       models.append(build(feature, flatten_parameters, **kwargs))
   SameBatchRanks.connect(models)
-  for m in (m for model in models for m in model.modules()):
-    if in_pieces is not None and isinstance(m, FSDP):
-      m._gather_flat_params_in_pieces = in_pieces
   optimizers = [
       torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
       for model in models
@@ -466,11 +455,6 @@ class TestFlattenFeatures(SameTrainingMixin, test_utils.XlaTestCase):
       self.assertEqual(set(rank_losses), {rank_losses[0]})
     self.assert_same(flat, train_same_batch_ranks(4, False))
     self.assert_same(flat, train('plain', False))  # world size 1
-
-  def test_world_size_4_gathered_in_pieces(self):
-    # (FSDP's default on TPU) each rank's pieces put back in rank order
-    flat = train_same_batch_ranks(4, True, in_pieces=True)
-    self.assert_same(flat, train_same_batch_ranks(4, False))
 
   def test_live_tensors_do_not_grow(self):
     # Units that keep their gathered data between forwards (the root always,

@@ -55,24 +55,18 @@ class Net(nn.Module):
     return self.head(x)
 
 
-def wrapped_net(flatten_parameters, in_pieces=None):
-  """``Net`` with each block an FSDP unit under the root; ``in_pieces``:
-  whether flat parameters are gathered in pieces (default: on TPU)."""
+def wrapped_net(flatten_parameters):
+  """``Net`` with each block an FSDP unit under the root."""
   torch.manual_seed(0)
   policy = functools.partial(
       transformer_auto_wrap_policy, transformer_layer_cls={Block})
-  model = FSDP(
+  return FSDP(
       Net(), auto_wrap_policy=policy, flatten_parameters=flatten_parameters)
-  if in_pieces is not None:
-    for m in model.modules():
-      if isinstance(m, FSDP):
-        m._gather_flat_params_in_pieces = in_pieces
-  return model
 
 
-def train(flatten_parameters, steps=STEPS, in_pieces=None):
+def train(flatten_parameters, steps=STEPS):
   """Losses, gradient norms, the last step's collectives, final checkpoint."""
-  model = wrapped_net(flatten_parameters, in_pieces)
+  model = wrapped_net(flatten_parameters)
   optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
   device = torch_xla.device()
   generator = torch.Generator().manual_seed(1)
@@ -123,7 +117,6 @@ class TestFlattenParity(test_utils.XlaTestCase):
   def setUpClass(cls):
     cls.unflat = train(False)
     cls.flat = train(True)
-    cls.flat_in_pieces = train(True, in_pieces=True)
 
   def assert_same_training(self, a, b):
     torch.testing.assert_close(a['losses'], b['losses'], rtol=RTOL, atol=0)
@@ -156,28 +149,13 @@ class TestFlattenParity(test_utils.XlaTestCase):
         step_graph_outputs(wrapped_net(True)),
         step_graph_outputs(wrapped_net(False)))
 
-  def test_one_reduce_scatter_per_flat_param(self):
+  def test_one_all_gather_and_reduce_scatter_per_flat_param(self):
     # 4 units (3 blocks, root): each gathered for forward and, except the
-    # root (not resharded after forward), again for backward; on TPU in
-    # pieces (test_flat_param_gathered_in_pieces_of_its_largest_parameter).
-    gathers = 2 + 3 * 3 * 2 if xr.device_type() == 'TPU' else 4 + 3
+    # root (not resharded after forward), again for backward.
     self.assertEqual(self.flat['collectives'], {
-        'all_gather': gathers,
+        'all_gather': 4 + 3,
         'reduce_scatter': 4
     })
-
-  def test_flat_param_gathered_in_pieces_of_its_largest_parameter(self):
-    # (FSDP's default on TPU, forced here on any device) In pieces no larger
-    # than its largest parameter: a block's 60400 elements (fc1 and fc2
-    # 30000 each) in 3, the root's 1010 (head 1000) in 2.
-    self.assertEqual(self.flat_in_pieces['collectives'], {
-        'all_gather': 2 + 3 * 3 * 2,
-        'reduce_scatter': 4
-    })
-
-  def test_gathered_in_pieces_same_as_unflattened(self):
-    flat = dict(self.flat_in_pieces, collectives=None)
-    self.assert_same_training(flat, dict(self.unflat, collectives=None))
 
 
 if __name__ == '__main__':

@@ -9,7 +9,6 @@ import functools
 import gc
 from itertools import chain
 import logging
-import math
 from math import inf
 import time
 import traceback
@@ -444,9 +443,6 @@ class XlaFullyShardedDataParallel(nn.Module):
     else:
       self.all_gather_op = functools.partial(
           xm.all_gather, pin_layout=pin_layout_in_collective_ops)
-    # (see [Note: Gathering a flat parameter in pieces])
-    self._gather_flat_params_in_pieces = (
-        pin_layout_in_collective_ops and xr.device_type() == 'TPU')
     if _debug_dummy_all_reduce_op:
       self.all_reduce_op = dummy_all_reduce
     else:
@@ -1540,7 +1536,8 @@ class XlaFullyShardedDataParallel(nn.Module):
             p_to_rebuild.append((p, p_shard))
             shards_to_all_gather.append(p_shard_data)
           else:
-            p_padded = self._all_gather(p, p_shard_data)
+            p_padded = self.all_gather_op(
+                p_shard_data, groups=self.sharding_groups)
         else:
           # gather full parameter from shards
           # reshape sharded parameters to 2d tensors for efficient gathering on
@@ -1550,7 +1547,8 @@ class XlaFullyShardedDataParallel(nn.Module):
             p_to_rebuild.append((p, p_shard))
             shards_to_all_gather.append(p_shard_2d)
           else:
-            p_padded = self._all_gather(p, p_shard_2d).flatten()
+            p_padded = self.all_gather_op(
+                p_shard_2d, groups=self.sharding_groups).flatten()
         if not self.coalesce_all_gather_ops:
           if apply_opt_barrier:
             self.optimization_barrier_op([p_padded])
@@ -1579,35 +1577,6 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     self._point_unflattened_params()
     self.has_full_params = True
-
-  def _all_gather(self, p: Parameter, shard: torch.Tensor) -> torch.Tensor:
-    """All-gather this rank's ``shard`` of ``p`` along dim 0; a flat
-    parameter in pieces (see [Note: Gathering a flat parameter in pieces])."""
-    # [Note: Gathering a flat parameter in pieces]
-    # With pin_layout_in_collective_ops (the default), torch_xla's all-gather
-    # is an all-reduce of a zero-padded buffer of the result's size: gathered
-    # at once, a flat parameter needs two buffers of its whole size, where
-    # its original parameters, gathered one by one, need two of each one's
-    # size. The TPU compiler's heap does not always fit the second one in
-    # what the step holds anyway (a unit more on TPU v4). So on TPU a flat
-    # parameter is gathered in pieces of its shard whose gathered size is at
-    # most its largest original parameter's, and the pieces are put back in
-    # rank order, one copy (which the barrier after the gather keeps out of
-    # the copies of the original parameters). Elsewhere it is gathered at
-    # once: on XLA:CPU, which drops barriers, the pieces cost a tenth of a
-    # unit, and XLA:GPU is left as it was measured.
-    pieces = 1
-    if isinstance(p, FlatParameter) and self._gather_flat_params_in_pieces:
-      pieces = math.ceil(sum(p._param_numels) / max(p._param_numels))
-    if pieces == 1:
-      return self.all_gather_op(shard, groups=self.sharding_groups)
-    chunks = shard.chunk(pieces)
-    gathered = [
-        self.all_gather_op(c, groups=self.sharding_groups) for c in chunks
-    ]
-    return torch.cat(
-        [g.view(len(g) // len(c), *c.shape) for g, c in zip(gathered, chunks)],
-        dim=1).flatten(0, 1)
 
   def _point_unflattened_params(self) -> None:
     """Outside forward, point the original parameters that forward made from
