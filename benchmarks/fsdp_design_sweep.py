@@ -26,8 +26,10 @@ the first choice of each switch (the variant ``series``):
           of the result's size, here a whole flat parameter), pieces (the
           flat parameter's shard gathered in pieces no larger than its
           largest parameter, put back in rank order), halves (pieces of
-          half that) or unpinned (pin_layout_in_collective_ops=False: an
-          all-gather, whole)
+          half that), spliced (pieces, the barrier after the gather on the
+          pieces, so that the copies out of the flat parameter read them
+          without a concatenated buffer) or unpinned
+          (pin_layout_in_collective_ops=False: an all-gather, whole)
   barriers both (the default), fwd, bwd or none: FSDP's
           optimization_barrier_in_forward / _in_backward
   divide  where a flat gradient is divided by gradient_predivide_factor:
@@ -60,7 +62,7 @@ SWITCHES = {
     'fwd': ('ranges', 'shaped', 'nobarrier'),
     'bwd': ('ranges', 'shaped', 'nobarrier', 'views'),
     'grad': ('cat', 'zeros', 'inplace'),
-    'gather': ('whole', 'pieces', 'unpinned', 'halves'),
+    'gather': ('whole', 'pieces', 'unpinned', 'halves', 'spliced'),
     'barriers': ('both', 'fwd', 'bwd', 'none'),
     'divide': ('hook', 'backward'),
 }
@@ -206,7 +208,7 @@ def apply(variant: str) -> None:
 
     m.XlaFullyShardedDataParallel.__init__ = __init__
 
-  if s['gather'] in ('pieces', 'halves'):
+  if s['gather'] in ('pieces', 'halves', 'spliced'):
     init_whole = m.XlaFullyShardedDataParallel.__init__
     per_parameter = 2 if s['gather'] == 'halves' else 1
 
@@ -228,6 +230,10 @@ def apply(variant: str) -> None:
           return gather(t, groups=groups)
         chunks = t.chunk(pieces)
         gathered = [gather(c, groups=groups) for c in chunks]
+        if s['gather'] == 'spliced':
+          # the gather's barrier on the pieces, not their concatenation
+          barrier(gathered)
+          skip_next[0] = True
         return torch.cat([
             g.view(len(g) // len(c), *c.shape)
             for g, c in zip(gathered, chunks)
@@ -235,6 +241,18 @@ def apply(variant: str) -> None:
                          dim=1).flatten(0, 1)
 
       self.all_gather_op = all_gather_op
+      if s['gather'] == 'spliced':
+        skip_next = [False]
+        barrier = self.optimization_barrier_op
+
+        def optimization_barrier_op(tensors):
+          # (the barrier after the gather: already on the pieces)
+          if skip_next[0] and len(tensors) == 1:
+            skip_next[0] = False
+            return
+          barrier(tensors)
+
+        self.optimization_barrier_op = optimization_barrier_op
 
     m.XlaFullyShardedDataParallel.__init__ = __init__
 
