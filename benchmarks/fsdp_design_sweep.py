@@ -94,9 +94,9 @@ _applied = False
 def apply(variant: str) -> None:
   """Change this process's (the checkout's) FSDP to ``variant`` (in a
   tracing process, before the model is wrapped). ``gather=unpinned`` is
-  applied by the caller (``pin_layout_in_collective_ops``). Once per process: on CPU
-  ``torch_xla.launch`` runs each device's worker in a thread of one
-  process."""
+  applied by the caller (``pin_layout_in_collective_ops``). Once per
+  process: on CPU ``torch_xla.launch`` runs each device's worker in a thread
+  of one process."""
   global _applied
   if _applied:
     return
