@@ -140,6 +140,8 @@ def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
   import torch
   import torch_xla
   import fsdp_memory_utils as mu
+  if os.environ.get('TORCH_XLA_FSDP_OVERLAY') == '1':
+    _check_fixed_fsdp_imported()
   design = os.environ.get('FSDP_DESIGN')
   if design:
     import fsdp_design_sweep
@@ -193,6 +195,20 @@ def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
 
   step()
   torch_xla.sync()
+
+
+def _check_fixed_fsdp_imported() -> None:
+  """Raise unless torch_xla's FSDP is this checkout's (an install of another
+  checkout, or none, would trace stock FSDP as the fixed one)."""
+  from torch_xla.distributed.fsdp import xla_fully_sharded_data_parallel as m
+  name = 'xla_fully_sharded_data_parallel.py'
+  with open(m.__file__, 'rb') as imported, open(
+      os.path.join(_REPO, 'torch_xla', 'distributed', 'fsdp', name),
+      'rb') as checkout:
+    if imported.read() != checkout.read():
+      raise RuntimeError(
+          f'tracing the fixed FSDP, but torch_xla imports {m.__file__}, not '
+          f"this checkout's: install it (pip install -e {_REPO})")
 
 
 def _trace_main(model_name: str, layers: int, flatten: bool,
