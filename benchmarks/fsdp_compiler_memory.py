@@ -140,8 +140,6 @@ def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
   import torch
   import torch_xla
   import fsdp_memory_utils as mu
-  if os.environ.get('TORCH_XLA_FSDP_OVERLAY') == '1':
-    _check_fixed_fsdp_imported()
   design = os.environ.get('FSDP_DESIGN')
   if design:
     import fsdp_design_sweep
@@ -214,6 +212,8 @@ def _check_fixed_fsdp_imported() -> None:
 def _trace_main(model_name: str, layers: int, flatten: bool,
                 pin_layout: bool) -> None:
   import torch_xla
+  if os.environ.get('TORCH_XLA_FSDP_OVERLAY') == '1':
+    _check_fixed_fsdp_imported()  # (once, before the devices' workers)
   torch_xla.launch(
       _trace_worker, args=(model_name, layers, flatten, pin_layout))
 

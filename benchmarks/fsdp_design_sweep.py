@@ -285,8 +285,8 @@ def measure(variants: List[str],
           variant is not None,
           n,
           model=model,
-          pin_layout=pinned if variant else True,
-          design=design if variant else '')
+          pin_layout=pinned,
+          design=design)
       # (a unit: the largest of these over a model's variants, that is the
       # largest flat gradient a fixed step reduce-scatters)
       with open(hlo) as f:
