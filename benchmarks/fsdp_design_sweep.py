@@ -107,16 +107,14 @@ def apply(variant: str) -> None:
       _split_tensor)
   s = parse(variant)
   phase = ['fwd']
+  series_copy_out = m._copy_out
 
   def copy_out(flat_param, barrier):
     mode = s[phase[0]]
+    if mode == 'ranges':
+      return series_copy_out(flat_param, barrier)
     pieces = _split_tensor(flat_param.detach(), flat_param._param_numels)
     shapes = flat_param._param_shapes
-    if mode == 'ranges':
-      ranges = [t.clone() for t in pieces]
-      if barrier is not None:
-        barrier(ranges)
-      return [t.view(shape).clone() for t, shape in zip(ranges, shapes)]
     if mode == 'views':
       return [t.view(shape) for t, shape in zip(pieces, shapes)]
     out = [t.view(shape).clone() for t, shape in zip(pieces, shapes)]
