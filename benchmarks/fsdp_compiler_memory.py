@@ -114,6 +114,11 @@ T5_4_HEADS = 't5-4-heads'
 # tests).
 REPORT_32X4 = 'report-32x4'
 REPORT_MODELS = ('report', REPORT_32X4)
+# T5 with all four vocabulary matrices separate: the head, the shared
+# embedding and the encoder's and decoder's embeddings (pytorch/xla#5464's
+# T5; transformers makes the last two the shared one's, and ``t5`` unties
+# only the head).
+T5_FOUR = 't5-four'
 
 
 def _size(name: str, layers: Optional[int] = None) -> fsdp_real_models.Size:
@@ -124,11 +129,20 @@ def _size(name: str, layers: Optional[int] = None) -> fsdp_real_models.Size:
 def build_transformer(name: str, layers: Optional[int] = None):
   """(module returning the language-modelling loss, input ids, layer
   classes to wrap as FSDP units) of a transformers model, random weights
-  (``layers`` deep, default ``LARGE.layers``)."""
-  builder = 't5' if name == T5_4_HEADS else name
+  (``layers`` deep, default ``LARGE.layers``); also ``T5_4_HEADS`` and
+  ``T5_FOUR``."""
+  builder = 't5' if name in (T5_4_HEADS, T5_FOUR) else name
   if builder not in TRANSFORMERS:
     raise ValueError(f'unknown model {name!r}: {", ".join(TRANSFORMERS)}')
-  return getattr(fsdp_real_models, builder)(size=_size(name, layers))
+  loss, ids, layer_classes = getattr(fsdp_real_models, builder)(
+      size=_size(name, layers))
+  if name == T5_FOUR:
+    import torch
+    t5 = loss.model
+    for stack in (t5.encoder, t5.decoder):
+      stack.embed_tokens = torch.nn.Embedding.from_pretrained(
+          t5.shared.weight.detach().clone(), freeze=False)
+  return loss, ids, layer_classes
 
 
 def _trace_worker(index: int, model_name: str, layers: int, flatten: bool,
@@ -689,13 +703,13 @@ def parse_args(argv):
       '--models',
       nargs='+',
       default=['report'],
-      choices=REPORT_MODELS + TRANSFORMERS,
+      choices=REPORT_MODELS + TRANSFORMERS + (T5_FOUR,),
       metavar='MODEL',
       help=f"report (the default), {REPORT_32X4} (with a [32, 4] relative "
       f"position bias in each Layer) or of {', '.join(TRANSFORMERS)}: "
       f'transformers at hidden {LARGE.hidden}, {LARGE.layers} layers, '
       f'{LARGE.heads} heads, vocabulary {LARGE.vocab}, batch {LARGE.batch} x '
-      f'{LARGE.tokens}')
+      f'{LARGE.tokens}; {T5_FOUR}: T5 with its embeddings and head separate')
   parser.add_argument(
       '--layers',
       type=int,
@@ -741,7 +755,7 @@ def parse_args(argv):
   args = parser.parse_args(argv)
   if min(args.layers) < 1:
     parser.error('--layers must be >= 1')
-  if (set(args.models) & set(TRANSFORMERS) and
+  if (set(args.models) & set(TRANSFORMERS + (T5_FOUR,)) and
       importlib.util.find_spec('transformers') is None):
     parser.error('the transformers models need transformers: pip install '
                  '-e ".[models]"')
