@@ -28,8 +28,10 @@ the first choice of each switch (the variant ``series``):
           largest parameter, put back in rank order), halves (pieces of
           half that), spliced (pieces, the barrier after the gather on the
           pieces, so that the copies out of the flat parameter read them
-          without a concatenated buffer) or unpinned
-          (pin_layout_in_collective_ops=False: an all-gather, whole)
+          without a concatenated buffer), unpinned
+          (pin_layout_in_collective_ops=False: an all-gather, whole) or
+          out (xm.all_gather given an output tensor: an all-gather with a
+          pinned layout, whole; for F too with --f-design gather=out)
   barriers both (the default), fwd, bwd or none: FSDP's
           optimization_barrier_in_forward / _in_backward
   divide  where a flat gradient is divided by gradient_predivide_factor:
@@ -37,21 +39,32 @@ the first choice of each switch (the variant ``series``):
           backward (each parameter's gradient as it is put into the flat
           one; also under no_sync(), which gives the same sums where the
           factor is a power of 2)
+  scatter whole (a flat gradient reduce-scattered at once) or pieces (in
+          pieces of its [world size, shard] view no larger than its largest
+          parameter, put back in order: torch_xla adds its ordering token to
+          a collective's input, which the TPU compiler makes a second
+          buffer of the input's size)
 
   python benchmarks/fsdp_design_sweep.py --variants series bwd=views \\
       --models report --layers 2 4 --targets tpu-v4 tpu-v5p
   python benchmarks/fsdp_design_sweep.py --models llama --targets tpu-v5e
+  python benchmarks/fsdp_design_sweep.py --variants scatter=pieces \\
+      --models t5-four --live
 
-Prints a table (units above F per variant, target and model) and writes the
-results as JSON with --json. Traces are cached; each trace and each compile
-runs in a process of its own, one at a time (see ``fsdp_compiler_memory.py``).
+Prints a table (units above F per variant, target and model; with --live
+also what is resident at each compiler's peak, and its large buffers) and
+writes the results as JSON with --json. Traces are cached; each trace and
+each compile runs in a process of its own, one at a time (see
+``fsdp_compiler_memory.py``).
 """
 
 import argparse
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 from typing import Dict, List, Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,15 +75,16 @@ SWITCHES = {
     'fwd': ('ranges', 'shaped', 'nobarrier'),
     'bwd': ('ranges', 'shaped', 'nobarrier', 'views'),
     'grad': ('cat', 'zeros', 'inplace'),
-    'gather': ('whole', 'pieces', 'unpinned', 'halves', 'spliced'),
+    'gather': ('whole', 'pieces', 'unpinned', 'halves', 'spliced', 'out'),
     'barriers': ('both', 'fwd', 'bwd', 'none'),
     'divide': ('hook', 'backward'),
+    'scatter': ('whole', 'pieces'),
 }
 SERIES = 'series'
-DEFAULT_VARIANTS = (SERIES, 'gather=pieces', 'gather=unpinned', 'fwd=shaped',
-                    'fwd=nobarrier', 'bwd=shaped', 'bwd=views', 'bwd=nobarrier',
-                    'grad=zeros', 'grad=inplace', 'barriers=fwd',
-                    'barriers=bwd')
+DEFAULT_VARIANTS = (SERIES, 'gather=pieces', 'gather=unpinned', 'gather=out',
+                    'scatter=pieces', 'fwd=shaped', 'fwd=nobarrier',
+                    'bwd=shaped', 'bwd=views', 'bwd=nobarrier', 'grad=zeros',
+                    'grad=inplace', 'barriers=fwd', 'barriers=bwd')
 
 
 def parse(variant: str) -> Dict[str, str]:
@@ -254,14 +268,81 @@ def apply(variant: str) -> None:
 
     m.XlaFullyShardedDataParallel.__init__ = __init__
 
+  if s['scatter'] == 'pieces':
+    init_whole_scatter = m.XlaFullyShardedDataParallel.__init__
+
+    def __init__(self, *args, **kwargs):
+      init_whole_scatter(self, *args, **kwargs)
+      flat = [p for p in self.full_params if isinstance(p, m.FlatParameter)]
+      if not flat:
+        return
+      pieces = math.ceil(
+          sum(flat[0]._param_numels) / max(flat[0]._param_numels))
+      world = self.world_size
+      flat_numel = flat[0]._sharded_param.numel() * world
+      scatter = self.reduce_scatter_op
+
+      class InPieces:
+
+        def __getattr__(self, name):
+          return getattr(scatter, name)
+
+        def __setattr__(self, name, value):
+          setattr(scatter, name, value)
+
+        def __call__(self, t, callback):
+          if t.numel() != flat_numel or pieces == 1:
+            return scatter(t, callback)
+          chunks = t.view(world, -1).chunk(pieces, dim=1)
+          done = []
+
+          def collect(reduced):
+            done.append(reduced)
+            if len(done) == len(chunks):
+              callback(torch.cat(done))
+
+          for c in chunks:
+            scatter(c.reshape(-1), collect)
+
+      self.reduce_scatter_op = InPieces()
+
+    m.XlaFullyShardedDataParallel.__init__ = __init__
+
+  if s['gather'] == 'out':
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+    init_reduce = m.XlaFullyShardedDataParallel.__init__
+
+    def __init__(self, *args, **kwargs):
+      init_reduce(self, *args, **kwargs)
+      pinned = self.all_gather_op.keywords.get('pin_layout')
+
+      def all_gather_op(t, groups=None):
+        # (with an output, xm.all_gather is an all-gather, with the layout
+        # pinned: no zero-padded all-reduce)
+        if not isinstance(t, torch.Tensor) or not pinned:
+          return xm.all_gather(t, groups=groups, pin_layout=pinned)
+        n = len(groups[0]) if groups else xr.world_size()
+        out = t.new_empty((t.shape[0] * n,) + tuple(t.shape[1:]))
+        return xm.all_gather(t, groups=groups, output=out, pin_layout=True)
+
+      self.all_gather_op = all_gather_op
+
+    m.XlaFullyShardedDataParallel.__init__ = __init__
+
 
 def measure(variants: List[str],
             models: List[str],
             layers: List[int],
             targets: List[str],
-            transformer_layers: Optional[int] = None) -> List[dict]:
-  """F once per model and depth, and fixed T per variant, compiled for each
-  target: one dict per compile."""
+            transformer_layers: Optional[int] = None,
+            f_design: str = '',
+            live: bool = False) -> List[dict]:
+  """F once per model and depth (with the choices of ``f_design`` that
+  apply to it), and fixed T per variant, compiled for each target: one dict
+  per compile. ``live``: also, for fixed T, what is resident at the
+  compiler's peak (``live_bytes``) and its buffers of half a unit or more
+  (``large_buffers``; ``cm.explain``)."""
   results = []
   configs = [
       (m, n)
@@ -273,9 +354,10 @@ def measure(variants: List[str],
   for model, n in configs:
     for variant in [None] + list(variants):
       done += 1
-      choices = parse(variant or SERIES)
+      choices = parse(variant or f_design or SERIES)
       pinned = choices['gather'] != 'unpinned'
-      design = '' if variant in (None, SERIES) else variant
+      design = f_design if variant is None else (
+          '' if variant == SERIES else variant)
       cm.progress(f'[{done}/{todo}] {model} {n or ""} '
                   f"{'F' if variant is None else variant}")
       hlo = cm.trace(
@@ -290,7 +372,24 @@ def measure(variants: List[str],
       with open(hlo) as f:
         unit = cm.largest_gather_bytes(f.read())
       for target in targets:
-        stats = cm.compile_hlo(hlo, target)
+        dumps = (
+            tempfile.mkdtemp(prefix='fsdp_design_sweep_')
+            if live and variant is not None else None)
+        stats = cm.compile_hlo(hlo, target, dump_to=dumps)
+        if dumps:
+          peak = cm.explain(dumps, cm.names_path(hlo))
+          shutil.rmtree(dumps, ignore_errors=True)
+          stats['live_bytes'] = peak['peak_bytes']
+          stats['large_buffers'] = [
+              dict(
+                  bytes=b['bytes'],
+                  buffer=b['buffer'],
+                  shape=b['shape'],
+                  op=b['op'],
+                  may_be=b['may_be'][:2])
+              for b in peak['buffers']
+              if b['bytes'] >= unit / 2
+          ]
         results.append(
             dict(
                 stats,
@@ -340,6 +439,16 @@ def print_table(results: List[dict], targets: List[str]) -> None:
         'gradient reduce-scattered; * the default (this checkout).')
   for r in [header] + rows:
     print('  '.join(f'{c:>{w}}' for c, w in zip(r, widths)))
+  explained = [r for r in results if 'live_bytes' in r]
+  if explained:
+    print('\nAt each compiler\'s peak (--live): MB resident, and the buffers '
+          'of half a unit or more')
+  for r in explained:
+    print(f"{r['model']} {r['layers']} {r['variant']} {r['target']}: "
+          f"{r['live_bytes'] / cm.MB:.1f} of {r['total_bytes'] / cm.MB:.1f}")
+    for b in r['large_buffers']:
+      print(f"  {b['bytes'] / cm.MB:7.1f}  {b['shape']}  {b['buffer']}  "
+            f"{'; '.join(b['may_be'])}")
 
 
 def main(argv=None) -> None:
@@ -352,7 +461,7 @@ def main(argv=None) -> None:
       '--models',
       nargs='+',
       default=['report'],
-      choices=cm.REPORT_MODELS + cm.TRANSFORMERS)
+      choices=cm.REPORT_MODELS + cm.TRANSFORMERS + (cm.T5_FOUR,))
   parser.add_argument('--layers', type=int, nargs='+', default=[2, 4, 8])
   parser.add_argument(
       '--targets',
@@ -363,9 +472,19 @@ def main(argv=None) -> None:
       '--transformer-layers',
       type=int,
       help=f'depth of the transformers (default {cm.LARGE.layers})')
+  parser.add_argument(
+      '--f-design',
+      default='',
+      help='trace F with this variant (e.g. gather=out, which changes '
+      "flatten_parameters=False's gathers too)")
+  parser.add_argument(
+      '--live',
+      action='store_true',
+      help="also what is resident at each compiler's peak for fixed T, and "
+      'its buffers of half a unit or more')
   parser.add_argument('--json', help='write the results there')
   args = parser.parse_args(argv)
-  for v in args.variants:
+  for v in args.variants + ([args.f_design] if args.f_design else []):
     try:
       parse(v)
     except ValueError as e:
@@ -374,7 +493,7 @@ def main(argv=None) -> None:
     if cm.missing(t):
       parser.error(f'{t}: {cm.missing(t)}')
   results = measure(args.variants, args.models, args.layers, args.targets,
-                    args.transformer_layers)
+                    args.transformer_layers, args.f_design, args.live)
   print_table(results, args.targets)
   if args.json:
     with open(args.json, 'w') as f:
