@@ -41,9 +41,9 @@ the first choice of each switch (the variant ``series``):
           factor is a power of 2)
   scatter whole (a flat gradient reduce-scattered at once) or pieces (in
           pieces of its [world size, shard] view no larger than its largest
-          parameter, put back in order: torch_xla adds its ordering token to
-          a collective's input, which the TPU compiler makes a second
-          buffer of the input's size)
+          parameter, put back in order; torch_xla adds its ordering token to
+          a collective's input, a second buffer of the input's size when
+          reduced at once)
 
   python benchmarks/fsdp_design_sweep.py --variants series bwd=views \\
       --models report --layers 2 4 --targets tpu-v4 tpu-v5p
@@ -385,7 +385,6 @@ def measure(variants: List[str],
                   bytes=b['bytes'],
                   buffer=b['buffer'],
                   shape=b['shape'],
-                  op=b['op'],
                   may_be=b['may_be'][:2])
               for b in peak['buffers']
               if b['bytes'] >= unit / 2
