@@ -119,6 +119,8 @@ REPORT_MODELS = ('report', REPORT_32X4)
 # T5; transformers makes the last two the shared one's, and ``t5`` unties
 # only the head).
 T5_FOUR = 't5-four'
+# what --models takes
+MODELS = REPORT_MODELS + TRANSFORMERS + (T5_FOUR,)
 
 
 def _size(name: str, layers: Optional[int] = None) -> fsdp_real_models.Size:
@@ -703,7 +705,7 @@ def parse_args(argv):
       '--models',
       nargs='+',
       default=['report'],
-      choices=REPORT_MODELS + TRANSFORMERS + (T5_FOUR,),
+      choices=MODELS,
       metavar='MODEL',
       help=f"report (the default), {REPORT_32X4} (with a [32, 4] relative "
       f"position bias in each Layer) or of {', '.join(TRANSFORMERS)}: "
@@ -755,7 +757,7 @@ def parse_args(argv):
   args = parser.parse_args(argv)
   if min(args.layers) < 1:
     parser.error('--layers must be >= 1')
-  if (set(args.models) & set(TRANSFORMERS + (T5_FOUR,)) and
+  if (set(args.models) - set(REPORT_MODELS) and
       importlib.util.find_spec('transformers') is None):
     parser.error('the transformers models need transformers: pip install '
                  '-e ".[models]"')

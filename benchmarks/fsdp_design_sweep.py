@@ -220,19 +220,34 @@ def apply(variant: str) -> None:
 
     m.XlaFullyShardedDataParallel.__init__ = __init__
 
-  if s['gather'] in ('pieces', 'halves', 'spliced'):
-    init_whole = m.XlaFullyShardedDataParallel.__init__
-    per_parameter = 2 if s['gather'] == 'halves' else 1
+  def after_init(setup):
+    # (``setup(unit)`` after each FSDP unit's __init__)
+    init = m.XlaFullyShardedDataParallel.__init__
 
     def __init__(self, *args, **kwargs):
-      init_whole(self, *args, **kwargs)
-      flat = [p for p in self.full_params if isinstance(p, m.FlatParameter)]
-      if not flat:
+      init(self, *args, **kwargs)
+      setup(self)
+
+    m.XlaFullyShardedDataParallel.__init__ = __init__
+
+  def flat_param_and_pieces(unit, per_parameter=1):
+    # (a unit's flat parameter, or None, and how many pieces of it are no
+    # larger than its largest parameter / per_parameter)
+    flat = [p for p in unit.full_params if isinstance(p, m.FlatParameter)]
+    if not flat:
+      return None, 1
+    numels = flat[0]._param_numels
+    return flat[0], math.ceil(per_parameter * sum(numels) / max(numels))
+
+  if s['gather'] in ('pieces', 'halves', 'spliced'):
+
+    def gather_in_pieces(unit):
+      flat, pieces = flat_param_and_pieces(unit,
+                                           2 if s['gather'] == 'halves' else 1)
+      if flat is None:
         return
-      pieces = math.ceil(per_parameter * sum(flat[0]._param_numels) /
-                         max(flat[0]._param_numels))
-      shard_numel = flat[0]._sharded_param.numel()
-      gather = self.all_gather_op
+      shard_numel = flat._sharded_param.numel()
+      gather = unit.all_gather_op
 
       def all_gather_op(t, groups=None):
         # (the flat parameter's shard, or its 2-D view: gathered in pieces,
@@ -252,10 +267,10 @@ def apply(variant: str) -> None:
         ],
                          dim=1).flatten(0, 1)
 
-      self.all_gather_op = all_gather_op
+      unit.all_gather_op = all_gather_op
       if s['gather'] == 'spliced':
         skip_next = [False]
-        barrier = self.optimization_barrier_op
+        barrier = unit.optimization_barrier_op
 
         def optimization_barrier_op(tensors):
           # (the barrier after the gather: already on the pieces)
@@ -264,23 +279,19 @@ def apply(variant: str) -> None:
             return
           barrier(tensors)
 
-        self.optimization_barrier_op = optimization_barrier_op
+        unit.optimization_barrier_op = optimization_barrier_op
 
-    m.XlaFullyShardedDataParallel.__init__ = __init__
+    after_init(gather_in_pieces)
 
   if s['scatter'] == 'pieces':
-    init_whole_scatter = m.XlaFullyShardedDataParallel.__init__
 
-    def __init__(self, *args, **kwargs):
-      init_whole_scatter(self, *args, **kwargs)
-      flat = [p for p in self.full_params if isinstance(p, m.FlatParameter)]
-      if not flat:
+    def scatter_in_pieces(unit):
+      flat, pieces = flat_param_and_pieces(unit)
+      if flat is None:
         return
-      pieces = math.ceil(
-          sum(flat[0]._param_numels) / max(flat[0]._param_numels))
-      world = self.world_size
-      flat_numel = flat[0]._sharded_param.numel() * world
-      scatter = self.reduce_scatter_op
+      world = unit.world_size
+      flat_numel = flat._sharded_param.numel() * world
+      scatter = unit.reduce_scatter_op
 
       class InPieces:
 
@@ -304,31 +315,28 @@ def apply(variant: str) -> None:
           for c in chunks:
             scatter(c.reshape(-1), collect)
 
-      self.reduce_scatter_op = InPieces()
+      unit.reduce_scatter_op = InPieces()
 
-    m.XlaFullyShardedDataParallel.__init__ = __init__
+    after_init(scatter_in_pieces)
 
   if s['gather'] == 'out':
     import torch_xla.core.xla_model as xm
-    import torch_xla.runtime as xr
-    init_reduce = m.XlaFullyShardedDataParallel.__init__
 
-    def __init__(self, *args, **kwargs):
-      init_reduce(self, *args, **kwargs)
-      pinned = self.all_gather_op.keywords.get('pin_layout')
+    def gather_into_output(unit):
+      gather = unit.all_gather_op
 
       def all_gather_op(t, groups=None):
         # (with an output, xm.all_gather is an all-gather, with the layout
         # pinned: no zero-padded all-reduce)
-        if not isinstance(t, torch.Tensor) or not pinned:
-          return xm.all_gather(t, groups=groups, pin_layout=pinned)
-        n = len(groups[0]) if groups else xr.world_size()
-        out = t.new_empty((t.shape[0] * n,) + tuple(t.shape[1:]))
+        if (not isinstance(t, torch.Tensor) or
+            not gather.keywords['pin_layout']):
+          return gather(t, groups=groups)
+        out = t.new_empty((t.shape[0] * unit.world_size,) + tuple(t.shape[1:]))
         return xm.all_gather(t, groups=groups, output=out, pin_layout=True)
 
-      self.all_gather_op = all_gather_op
+      unit.all_gather_op = all_gather_op
 
-    m.XlaFullyShardedDataParallel.__init__ = __init__
+    after_init(gather_into_output)
 
 
 def measure(variants: List[str],
@@ -457,10 +465,7 @@ def main(argv=None) -> None:
       epilog='\n'.join(__doc__.splitlines()[1:]))
   parser.add_argument('--variants', nargs='+', default=list(DEFAULT_VARIANTS))
   parser.add_argument(
-      '--models',
-      nargs='+',
-      default=['report'],
-      choices=cm.REPORT_MODELS + cm.TRANSFORMERS + (cm.T5_FOUR,))
+      '--models', nargs='+', default=['report'], choices=cm.MODELS)
   parser.add_argument('--layers', type=int, nargs='+', default=[2, 4, 8])
   parser.add_argument(
       '--targets',
