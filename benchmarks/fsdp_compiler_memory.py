@@ -312,6 +312,11 @@ def trace(stock: Optional[bool],
                                                   'distributed', 'fsdp')
   digest = hashlib.sha256(
       f"{TRACE_VERSION} {importlib.metadata.version('torch-xla')}".encode())
+  # torch_xla's switch that leaves its ordering token out of collectives'
+  # inputs changes the traced step
+  if os.environ.get('DISABLE_NUMERIC_CC_TOKEN'):
+    digest.update(b'DISABLE_NUMERIC_CC_TOKEN=' +
+                  os.environ['DISABLE_NUMERIC_CC_TOKEN'].encode())
   for path in sorted(glob.glob(os.path.join(fsdp_dir, '*.py'))) + [
       os.path.join(_REPO, 'test', 'fsdp_memory_utils.py')
   ]:

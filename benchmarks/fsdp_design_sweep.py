@@ -50,6 +50,12 @@ the first choice of each switch (the variant ``series``):
   python benchmarks/fsdp_design_sweep.py --models llama --targets tpu-v5e
   python benchmarks/fsdp_design_sweep.py --variants scatter=pieces \\
       --models t5-four --live
+  LIBTPU_INIT_ARGS=--xla_memory_scheduler=list \\
+      python benchmarks/fsdp_design_sweep.py --variants series --layers 2
+
+(LIBTPU_INIT_ARGS, the TPU compiler's settings, and DISABLE_NUMERIC_CC_TOKEN,
+torch_xla's switch that leaves its ordering token out of collectives, apply
+to F's compiles too; the table names them.)
 
 Prints a table (units above F per variant, target and model; with --live
 also what is resident at each compiler's peak, and its large buffers) and
@@ -444,6 +450,10 @@ def print_table(results: List[dict], targets: List[str]) -> None:
   print('\nFixed T per variant: units above F (MB); the F rows: F in MB. '
         'MB = argument + output + temp - alias; a unit = the largest flat '
         'gradient reduce-scattered; * the default (this checkout).')
+  # (settings that change every figure, F's too)
+  for var in ('LIBTPU_INIT_ARGS', 'DISABLE_NUMERIC_CC_TOKEN'):
+    if os.environ.get(var):
+      print(f'{var}={os.environ[var]}')
   for r in [header] + rows:
     print('  '.join(f'{c:>{w}}' for c, w in zip(r, widths)))
   explained = [r for r in results if 'live_bytes' in r]
