@@ -20,7 +20,9 @@ the first choice of each switch (the variant ``series``):
   grad    the flat gradient: cat (the parameters' gradients concatenated),
           zeros (written in place into a zero buffer, a barrier after
           each), inplace (written in place into the re-gathered flat
-          parameter)
+          parameter), padsum (the sum of the gradients, each zero-padded
+          to its place: one elementwise op that the compiler can fuse,
+          where it makes a concatenation a chain of in-place updates)
   gather  whole (with FSDP's default pin_layout_in_collective_ops=True,
           torch_xla's all-gather is an all-reduce of a zero-padded buffer
           of the result's size, here a whole flat parameter), pieces (the
@@ -32,6 +34,11 @@ the first choice of each switch (the variant ``series``):
           (pin_layout_in_collective_ops=False: an all-gather, whole) or
           out (xm.all_gather given an output tensor: an all-gather with a
           pinned layout, whole; for F too with --f-design gather=out)
+  pad     what a shard's size is a multiple of: 128 (FSDP's
+          _shard_size_multiple; a shard is gathered as a [rows, 128] view,
+          which TPU tiles in [8, 128], so unless rows is a multiple of 8
+          the gathered [world size, rows, 128] is copied to be made flat)
+          or 1024 (whole tiles; for F too with --f-design pad=1024)
   barriers both (the default), fwd, bwd or none: FSDP's
           optimization_barrier_in_forward / _in_backward
   divide  where a flat gradient is divided by gradient_predivide_factor:
@@ -80,17 +87,19 @@ import fsdp_compiler_memory as cm  # noqa: E402
 SWITCHES = {
     'fwd': ('ranges', 'shaped', 'nobarrier'),
     'bwd': ('ranges', 'shaped', 'nobarrier', 'views'),
-    'grad': ('cat', 'zeros', 'inplace'),
+    'grad': ('cat', 'zeros', 'inplace', 'padsum'),
     'gather': ('whole', 'pieces', 'unpinned', 'halves', 'spliced', 'out'),
     'barriers': ('both', 'fwd', 'bwd', 'none'),
     'divide': ('hook', 'backward'),
     'scatter': ('whole', 'pieces'),
+    'pad': ('128', '1024'),
 }
 SERIES = 'series'
 DEFAULT_VARIANTS = (SERIES, 'gather=pieces', 'gather=unpinned', 'gather=out',
                     'scatter=pieces', 'fwd=shaped', 'fwd=nobarrier',
                     'bwd=shaped', 'bwd=views', 'bwd=nobarrier', 'grad=zeros',
-                    'grad=inplace', 'barriers=fwd', 'barriers=bwd')
+                    'grad=inplace', 'grad=padsum', 'barriers=fwd',
+                    'barriers=bwd')
 
 
 def parse(variant: str) -> Dict[str, str]:
@@ -193,6 +202,15 @@ def apply(variant: str) -> None:
       if some_grad is None:
         return None, None
       total = sum(ctx.numels)
+      if s['grad'] == 'padsum':
+        flat, offset = None, 0
+        for g, numel in zip(grads, ctx.numels):
+          if g is not None:
+            g = torch.nn.functional.pad(
+                divided(ctx, g.reshape(-1)), (offset, total - offset - numel))
+            flat = g if flat is None else flat + g
+          offset += numel
+        return flat, None
       if s['grad'] == 'cat':
         return torch.cat([
             divided(ctx, g.reshape(-1))
@@ -215,6 +233,20 @@ def apply(variant: str) -> None:
 
     unflatten.forward = staticmethod(fwd)
     unflatten.backward = staticmethod(bwd)
+
+  if s['pad'] != '128':
+    pad = m.XlaFullyShardedDataParallel._flatten_and_pad_to_world_size
+
+    def _flatten_and_pad_to_world_size(self, tensor, world_size):
+      # (shards, and gradients for the reduce-scatter, padded to whole
+      # [8, 128] tiles; gathered as [rows, 128] views still)
+      if world_size == self.world_size * self._shard_size_multiple == (
+          self.world_size * 128):
+        world_size = self.world_size * int(s['pad'])
+      return pad(self, tensor, world_size)
+
+    m.XlaFullyShardedDataParallel._flatten_and_pad_to_world_size = (
+        _flatten_and_pad_to_world_size)
 
   if s['barriers'] != 'both':
     init = m.XlaFullyShardedDataParallel.__init__
