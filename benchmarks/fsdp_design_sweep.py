@@ -240,8 +240,8 @@ def apply(variant: str) -> None:
     def _flatten_and_pad_to_world_size(self, tensor, world_size):
       # (shards, and gradients for the reduce-scatter, padded to whole
       # [8, 128] tiles; gathered as [rows, 128] views still)
-      if world_size == self.world_size * self._shard_size_multiple == (
-          self.world_size * 128):
+      if (self._shard_size_multiple == 128 and
+          world_size == self.world_size * 128):
         world_size = self.world_size * int(s['pad'])
       return pad(self, tensor, world_size)
 
