@@ -602,7 +602,12 @@ def explain(dump_dir: str, names_path: Optional[str] = None) -> dict:
     if not b['may_be']:
       b['may_be'] = names.get(b['shape']) or by_numel.get(
           _numel(b['shape']), [])
-  return dict(peak_bytes=peak, buffers=buffers)
+  # (the heap of temporaries in HBM that the buffer assignment lays out; the
+  # TPU compiler's temp_size_in_bytes can be larger)
+  heap = sum(
+      int(size) for size in re.findall(
+          r'(?m)^allocation \d+: size (\d+), preallocated-temp:', hbm))
+  return dict(peak_bytes=peak, buffers=buffers, heap_bytes=heap)
 
 
 def _numel(shape: str) -> int:

@@ -38,7 +38,16 @@ the first choice of each switch (the variant ``series``):
           _shard_size_multiple; a shard is gathered as a [rows, 128] view,
           which TPU tiles in [8, 128], so unless rows is a multiple of 8
           the gathered [world size, rows, 128] is copied to be made flat)
-          or 1024 (whole tiles; for F too with --f-design pad=1024)
+          or 1024 (whole tiles; for F too with --f-design pad=1024), or
+          flat (each flat parameter made a multiple of world size x 1024
+          elements when it is made, by a zero tail that no parameter
+          reads: whole tiles, and a gradient of the gathered buffer's size,
+          which needs no pad for its reduce-scatter; F unchanged)
+  padgrad where the post-backward hook pads a flat gradient to the
+          reduce-scatter's size: after (behind the barrier that ties it to
+          the shard, as FSDP does: a copy of the whole gradient) or before
+          (the padded gradient goes through that barrier, so that the
+          compiler can fuse the pad into the op that makes the gradient)
   barriers both (the default), fwd, bwd or none: FSDP's
           optimization_barrier_in_forward / _in_backward
   divide  where a flat gradient is divided by gradient_predivide_factor:
@@ -65,7 +74,8 @@ torch_xla's switch that leaves its ordering token out of collectives, apply
 to F's compiles too; the table names them.)
 
 Prints a table (units above F per variant, target and model; with --live
-also what is resident at each compiler's peak, and its large buffers) and
+also what is resident at each compiler's peak, its large buffers, and how
+much of the compiler's temp its buffer assignment's heap is) and
 writes the results as JSON with --json. Traces are cached; each trace and
 each compile runs in a process of its own, one at a time (see
 ``fsdp_compiler_memory.py``).
@@ -92,7 +102,8 @@ SWITCHES = {
     'barriers': ('both', 'fwd', 'bwd', 'none'),
     'divide': ('hook', 'backward'),
     'scatter': ('whole', 'pieces'),
-    'pad': ('128', '1024'),
+    'pad': ('128', '1024', 'flat'),
+    'padgrad': ('after', 'before'),
 }
 SERIES = 'series'
 DEFAULT_VARIANTS = (SERIES, 'gather=pieces', 'gather=unpinned', 'gather=out',
@@ -234,7 +245,28 @@ def apply(variant: str) -> None:
     unflatten.forward = staticmethod(fwd)
     unflatten.backward = staticmethod(bwd)
 
-  if s['pad'] != '128':
+  if s['pad'] == 'flat':
+    import torch_xla.runtime as xr
+    from torch_xla.distributed.fsdp import xla_flatten_params_wrapper as fpw
+    init_flatten_params = fpw.XlaFlattenParamsWrapper._init_flatten_params
+
+    def _init_flatten_params(self, p_set):
+      # (a zero parameter of a module of its own, last: no parameter reads
+      # it, so its gradient is None)
+      params, infos, shared = init_flatten_params(self, p_set)
+      tail = -sum(p.numel() for p in params) % (xr.world_size() * 1024)
+      if tail:
+        holder = torch.nn.Module()
+        holder.tail = torch.nn.Parameter(
+            params[0].detach().new_zeros(tail),
+            requires_grad=params[0].requires_grad)
+        params.append(holder.tail)
+        infos.append(('', holder, 'tail'))
+      return params, infos, shared
+
+    fpw.XlaFlattenParamsWrapper._init_flatten_params = _init_flatten_params
+
+  if s['pad'] == '1024':
     pad = m.XlaFullyShardedDataParallel._flatten_and_pad_to_world_size
 
     def _flatten_and_pad_to_world_size(self, tensor, world_size):
@@ -245,6 +277,39 @@ def apply(variant: str) -> None:
         world_size = self.world_size * int(s['pad'])
       return pad(self, tensor, world_size)
 
+    m.XlaFullyShardedDataParallel._flatten_and_pad_to_world_size = (
+        _flatten_and_pad_to_world_size)
+
+  if s['padgrad'] == 'before':
+    barrier_with = (
+        m.XlaFullyShardedDataParallel._apply_opt_barrier_to_params_and_tensors)
+    pad_to = m.XlaFullyShardedDataParallel._flatten_and_pad_to_world_size
+
+    def _apply_opt_barrier_to_params_and_tensors(self, p_list, p_shard_list,
+                                                 dependency_tensors):
+      # (the post-backward hook's barrier on a flat gradient: on its padded
+      # copy instead, which _flatten_and_pad_to_world_size then returns)
+      shard = p_shard_list[0] if len(p_shard_list) == 1 else None
+      if (not p_list and len(dependency_tensors) == 1 and
+          self.training_state == m.TrainingState.BACKWARD_POST and any(
+              p._sharded_param is shard
+              for p in self.full_params
+              if isinstance(p, m.FlatParameter))):
+        grad = dependency_tensors[0]
+        padded = pad_to(self, grad, self.world_size * self._shard_size_multiple)
+        if padded.numel() != grad.numel():
+          # (not the gradient itself: a tensor that refers to itself outlives
+          # the step, and torch_xla makes it an output of the step)
+          grad._padded_early = padded
+          dependency_tensors = [padded]
+      return barrier_with(self, p_list, p_shard_list, dependency_tensors)
+
+    def _flatten_and_pad_to_world_size(self, tensor, world_size):
+      padded = getattr(tensor, '_padded_early', None)
+      return pad_to(self, tensor, world_size) if padded is None else padded
+
+    m.XlaFullyShardedDataParallel._apply_opt_barrier_to_params_and_tensors = (
+        _apply_opt_barrier_to_params_and_tensors)
     m.XlaFullyShardedDataParallel._flatten_and_pad_to_world_size = (
         _flatten_and_pad_to_world_size)
 
@@ -386,9 +451,9 @@ def measure(variants: List[str],
             live: bool = False) -> List[dict]:
   """F once per model and depth (with the choices of ``f_design`` that
   apply to it), and fixed T per variant, compiled for each target: one dict
-  per compile. ``live``: also, for fixed T, what is resident at the
-  compiler's peak (``live_bytes``) and its buffers of half a unit or more
-  (``large_buffers``; ``cm.explain``)."""
+  per compile. ``live``: also what is resident at the compiler's peak
+  (``live_bytes``), its buffers of half a unit or more (``large_buffers``)
+  and the buffer assignment's heap (``heap_bytes``; ``cm.explain``)."""
   results = []
   configs = [
       (m, n)
@@ -419,13 +484,13 @@ def measure(variants: List[str],
         unit = cm.largest_gather_bytes(f.read())
       for target in targets:
         dumps = (
-            tempfile.mkdtemp(prefix='fsdp_design_sweep_')
-            if live and variant is not None else None)
+            tempfile.mkdtemp(prefix='fsdp_design_sweep_') if live else None)
         stats = cm.compile_hlo(hlo, target, dump_to=dumps)
         if dumps:
           peak = cm.explain(dumps, cm.names_path(hlo))
           shutil.rmtree(dumps, ignore_errors=True)
           stats['live_bytes'] = peak['peak_bytes']
+          stats['heap_bytes'] = peak['heap_bytes']
           stats['large_buffers'] = [
               dict(
                   bytes=b['bytes'],
@@ -433,7 +498,8 @@ def measure(variants: List[str],
                   shape=b['shape'],
                   may_be=b['may_be'][:2])
               for b in peak['buffers']
-              if b['bytes'] >= unit / 2
+              # (F's: its figures only; its unit is not the model's)
+              if b['bytes'] >= unit / 2 and variant is not None
           ]
         results.append(
             dict(
@@ -494,7 +560,9 @@ def print_table(results: List[dict], targets: List[str]) -> None:
           'of half a unit or more')
   for r in explained:
     print(f"{r['model']} {r['layers']} {r['variant']} {r['target']}: "
-          f"{r['live_bytes'] / cm.MB:.1f} of {r['total_bytes'] / cm.MB:.1f}")
+          f"{r['live_bytes'] / cm.MB:.1f} of {r['total_bytes'] / cm.MB:.1f}; "
+          f"temp {r['temp_bytes'] / cm.MB:.1f}, of which the buffer "
+          f"assignment's heap {r['heap_bytes'] / cm.MB:.1f}")
     for b in r['large_buffers']:
       print(f"  {b['bytes'] / cm.MB:7.1f}  {b['shape']}  {b['buffer']}  "
             f"{'; '.join(b['may_be'])}")
@@ -526,8 +594,8 @@ def main(argv=None) -> None:
   parser.add_argument(
       '--live',
       action='store_true',
-      help="also what is resident at each compiler's peak for fixed T, and "
-      'its buffers of half a unit or more')
+      help="also what is resident at each compiler's peak, its buffers of "
+      "half a unit or more, and the buffer assignment's heap")
   parser.add_argument('--json', help='write the results there')
   args = parser.parse_args(argv)
   for v in args.variants + ([args.f_design] if args.f_design else []):
