@@ -46,8 +46,9 @@ the first choice of each switch (the variant ``series``):
   padgrad where the post-backward hook pads a flat gradient to the
           reduce-scatter's size: after (behind the barrier that ties it to
           the shard, as FSDP does: a copy of the whole gradient) or before
-          (the padded gradient goes through that barrier, so that the
-          compiler can fuse the pad into the op that makes the gradient)
+          (the padded gradient goes through that barrier, so that a
+          compiler may fuse the pad into the op that makes the gradient;
+          the TPU compiler does not)
   barriers both (the default), fwd, bwd or none: FSDP's
           optimization_barrier_in_forward / _in_backward
   divide  where a flat gradient is divided by gradient_predivide_factor:
