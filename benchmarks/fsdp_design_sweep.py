@@ -275,7 +275,7 @@ def apply(variant: str) -> None:
       # [8, 128] tiles; gathered as [rows, 128] views still)
       if (self._shard_size_multiple == 128 and
           world_size == self.world_size * 128):
-        world_size = self.world_size * int(s['pad'])
+        world_size = self.world_size * 1024
       return pad(self, tensor, world_size)
 
     m.XlaFullyShardedDataParallel._flatten_and_pad_to_world_size = (
